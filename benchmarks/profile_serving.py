@@ -70,7 +70,7 @@ def main() -> None:
     timed(restore, "_restore")
     timed(packed_reader, "read_index")
     timed(packed_reader, "open_packed")
-    timed(F, "check_packed_claims")
+    timed(F, "check_claims")
     timed(read_data, "_read_targets_with", "reads+placement (_read_targets_with)")
     timed(targets.Placer, "flush", "Placer.flush")
     timed(onto_like, "match", "onto_like.match (targets)")

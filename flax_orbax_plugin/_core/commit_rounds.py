@@ -35,8 +35,7 @@ STRUCTURE = "tree of another structure"  # in the outcome when the digests diffe
 
 
 def disagreement(statuses: list[dict[str, Any]]) -> str | None:
-    """``disagree: ...`` naming the first process whose step, options or tree differ from
-    process 0's, or None."""
+    """``disagree: ...`` naming the first process whose step, options or tree differ."""
     first = statuses[0]
     for p, s in enumerate(statuses[1:], start=1):
         if s["step"] != first["step"]:
@@ -64,7 +63,7 @@ def disagreement(statuses: list[dict[str, Any]]) -> str | None:
 
 
 def _first_difference(op: str, mine: list[str], region, p: int = 0, timeout_s=None) -> str:
-    """``; here ...``: the first leaf where this tree differs from process ``p``'s, or ""."""
+    """``; ...``: the first leaf where this tree differs from process ``p``'s, or ""."""
     try:
         got = _distributed.get_from(f"{op}/structure", p, region=region, timeout_s=timeout_s)
         theirs = json.loads(got)

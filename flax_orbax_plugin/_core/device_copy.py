@@ -1,13 +1,13 @@
-"""The device copies of a save of accelerator arrays: the staging a platform takes, the
-copy on its own devices (:func:`snapshot`, blocking phase), its transfer to host in
-pieces (:func:`fetch`, background phase), and regions started on their way to host
-(:func:`start`). A save of host arrays takes none of it.
+"""A save's accelerator arrays: the staging a platform takes, the copy on their devices
+(:func:`snapshot`, blocking phase), its transfer to host (:func:`fetch`, background
+phase), and regions started on their way to host (:func:`start`).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.host_snapshot``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -22,7 +22,6 @@ SNAPSHOT_HEADROOM = 0.9  # the device copy takes at most this share of a device'
 
 
 def staging_for(platform: str) -> str:
-    """The staging of a save whose arrays live on ``platform`` (see the module's doc)."""
     if platform == "tpu" or (platform == "cpu" and CPU_AS_DEVICE):
         return "device"
     if platform in ("gpu", "cuda", "rocm"):
@@ -83,13 +82,11 @@ def snapshot(arrays: list) -> tuple[list | None, str]:
     return copies, ""
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class Deferred:
     """A region's bytes, still on a device or on their way to host memory."""
 
-    __slots__ = ("array",)
-
-    def __init__(self, array: jax.Array):
-        self.array = array
+    array: jax.Array
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -124,8 +121,7 @@ def start(data: jax.Array, part: tuple[slice, ...] | None, *, kind: str) -> Defe
 
 
 def fetch(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
-    """Host bytes of the region ``part`` of single-device ``data``, in pieces of whole rows
-    of at most :data:`FETCH_PIECE` bytes, one at a time (background phase)."""
+    """Host bytes of ``data[part]``, fetched :data:`FETCH_PIECE` bytes of rows at a time."""
     region = data if part is None else data[part]
     shape = tuple(region.shape)
     if not shape or region.nbytes <= FETCH_PIECE or shape[0] <= 1:
@@ -137,15 +133,11 @@ def fetch(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
     return out
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class OnDevice(Deferred):
-    """The region ``part`` of a device copy, brought to host by :func:`fetch` when the
-    writer gets to it (transfers overlap the writes before them)."""
+    """A region of a device copy, fetched when the writer gets to it."""
 
-    __slots__ = ("part",)
-
-    def __init__(self, array: jax.Array, part: tuple[slice, ...] | None):
-        super().__init__(array)
-        self.part = part
+    part: tuple[slice, ...] | None
 
     @property
     def shape(self) -> tuple[int, ...]:

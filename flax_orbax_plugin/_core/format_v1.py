@@ -59,7 +59,7 @@ class ChunkFiles:
 
     def array_store(self, location: Location, target: Any, paths: list[str]) -> Any:
         spec = _arrays.leaf_spec(location, target.index, target.record)
-        return _reads.open_array(spec, location, paths)
+        return _reads.opened(_arrays.open_for_read(spec), location, paths)
 
     def read_stored(self, store: Any, index: int, record: Any, direct: Any, region: Any) -> Any:
         read = _reads.plain_read(index, record, direct, region)
@@ -69,7 +69,8 @@ class ChunkFiles:
         return _reads.ReadInto(store if region is None else store[region], dtype)
 
     def batch_store(self, location: Location, batch: BatchRecord, direct, paths) -> Any:
-        return _reads.open_array(_arrays.batch_spec(location, batch), location, paths)
+        spec = _arrays.batch_spec(location, batch)
+        return _reads.opened(_arrays.open_for_read(spec), location, paths)
 
     def reads_batch_runs(self, direct: Any, batch: BatchRecord) -> bool:
         return direct is not None and batch.codec is None

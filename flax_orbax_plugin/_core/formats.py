@@ -26,17 +26,14 @@ from .._format.layout import BatchRecord, CheckpointDocument
 from .._incremental import packed
 from .._incremental import reuse as _reuse
 from .._storage.location import Location
-from .._zarr import arrays as _arrays
 from .._zarr import chunks as _chunks
 from .._zarr import packed_reader as _packed_reader
 from . import reads as _reads
 from .format_v1 import CHUNK_FILES
 from .host_snapshot import write_packed
-from .reads import check_packed_claims
+from .reads import check_claims
 
-# The format a save writes when none is asked for (FORMAT.md; version 1 on request and
-# in a directory per host, which version 2 does not write).
-DEFAULT_FORMAT_VERSION = 2
+DEFAULT_FORMAT_VERSION = 2  # FORMAT.md; version 1 on request and in a directory per host
 
 DEFAULT_WRITE_LIMIT_BYTES = 1 << 30  # bytes of writes in flight, by default
 
@@ -88,7 +85,6 @@ class SaveRequest:
         return dataclasses.replace(self, **fields)
 
 
-# The host-memory limit of a save's or a read's copies: one declaration for both.
 MEMORY_LIMIT = Option(
     "memory_limit_bytes",
     "int",
@@ -117,9 +113,7 @@ SAVE: tuple[Option, ...] = (
 
 
 def check_save(**options: Any) -> dict[str, Any]:
-    """``fop.save``'s options of :data:`SAVE` given by name, checked (OptionError naming
-    the option, what it takes and what was found); an option the chosen format ignores
-    (``data_file_bytes`` with version 1) is refused naming both."""
+    """``fop.save``'s options checked; one the chosen format ignores is refused too."""
     out = check(SAVE, options)
     out["format_version"] = version_for(out["format_version"], per_host=False)
     refuse_ignored(
@@ -157,9 +151,8 @@ class Format(Protocol):
     def write(
         self, snap: Any, location: Location, leaves: list, *, primary: bool, found: Any
     ) -> tuple:
-        """Writes this process's data of ``snap`` under ``location`` (``leaves``: as stored;
-        ``found``: the reuse plan or None). Returns (bytes written, {file: sha256}, bytes
-        reused)."""
+        """This process's data of ``snap`` (``found``: the reuse plan or None); returns
+        (bytes written, {file: sha256}, bytes reused)."""
 
     def reuser(self, location: Location) -> Any:
         """How this process reuses unchanged data under ``location`` (None: it cannot)."""
@@ -168,8 +161,7 @@ class Format(Protocol):
         """Whether ``doc`` (a previous step's) was written in this format."""
 
     def open(self, location: Location, doc: CheckpointDocument, targets: list, *, own_copy: bool):
-        """The reader of a checkpoint, the metadata's claims checked first (None:
-        tensorstore reads everything)."""
+        """The reader, the claims checked first (None: tensorstore reads everything)."""
 
     def array_store(self, location: Location, target: Any, paths: list[str]) -> Any:
         """What tensorstore reads an array through (None: the reader alone)."""
@@ -184,8 +176,7 @@ class Format(Protocol):
         """Whether a batch's leaves are read in runs straight from its chunk files."""
 
     def check_lengths(self, location: Location, direct: Any) -> None:
-        """``verify`` only: CorruptCheckpointError naming a file holding bytes past what
-        was written."""
+        """``verify`` only: CorruptCheckpointError for a file longer than was written."""
 
 
 class DataFiles:
@@ -214,14 +205,10 @@ class DataFiles:
         try:
             reader = _packed_reader.open_packed(location, doc.process_count, listed=doc.listed)
         except ValueError as e:
-            env = _arrays.environmental(e)
-            if env is e:
-                raise
-            if env is not None:
-                raise env from e
+            _reads.raise_environmental(e)
             raise CorruptCheckpointError(f"{location}: {e}") from None
         try:
-            check_packed_claims(location, doc, targets, reader)
+            check_claims(location, doc, targets, packed=reader)
         except BaseException:
             reader.close()
             raise
@@ -258,8 +245,7 @@ _BY_VERSION: dict[int, Format] = {1: CHUNK_FILES, 2: DATA_FILES}
 
 
 def check_version(value: Any, *, where: str = "format_version") -> int:
-    """``value`` (a numpy integer too) if it names a format this library writes;
-    OptionError otherwise."""
+    """``value`` if it names a format this library writes; OptionError otherwise."""
     return Option(where, "choice", choices=tuple(_BY_VERSION)).check(value)
 
 
@@ -274,8 +260,7 @@ def of_document(doc: CheckpointDocument) -> Format:
 
 
 def version_for(asked: int | None, *, per_host: bool) -> int:
-    """The version a manager step's items write: ``asked`` (checked), else the default,
-    or version 1 in a directory per host (which version 2 does not write)."""
+    """``asked``, else the default (version 1 in a directory per host)."""
     if asked is not None:
         return asked
     if per_host and not for_version(DEFAULT_FORMAT_VERSION).per_host_directories:
@@ -284,8 +269,7 @@ def version_for(asked: int | None, *, per_host: bool) -> int:
 
 
 def refuse_ignored(version: int | None, given: dict[str, Any], refuse) -> None:
-    """``refuse(name, needs)`` for every option given that ``version`` ignores (None:
-    the default's; the option checkers of ``fop.save`` and the manager)."""
+    """``refuse(name, needs)`` for every option given that ``version`` ignores."""
     version = DEFAULT_FORMAT_VERSION if version is None else version
     for name, needs in for_version(version).ignored_options:
         if name in given:
@@ -293,8 +277,7 @@ def refuse_ignored(version: int | None, given: dict[str, Any], refuse) -> None:
 
 
 def _files_reuse(location: Location, way, source: Location, unchanged: list):
-    """Version 2: ``reuse()`` takes this process's previous data files that hold mostly
-    unchanged leaves."""
+    """``reuse()``: takes this process's previous data files of mostly unchanged leaves."""
     if not unchanged:
         return None
     leaves = {
@@ -314,10 +297,8 @@ _TOP_FILES = (_layout.COMMIT_FILE, _layout.METADATA_FILE, _layout.PENDING_FILE)
 
 
 def checkpoint_names(parts: list[str], is_dir: bool) -> bool:
-    """Whether the library writes (and reads) the entry at ``parts`` (relative to a
-    checkpoint): the top files, version 1's ``d/`` and ``b/`` and version 2's
-    ``data/<p>.json`` and ``data/<p>-<n>.bin``. Anything else is a user's: never read,
-    never removed."""
+    """Whether the library writes the entry at ``parts`` (relative to a checkpoint);
+    anything else is a user's: never read, never removed."""
     head, rest = parts[0], parts[1:]
     if head in (_layout.ARRAYS_DIR, _layout.BATCHES_DIR):
         return is_dir or bool(rest)

@@ -35,8 +35,7 @@ TMP_RE = re.compile(rf"^{re.escape(PENDING_FILE)}\.tmp-[0-9a-f]{{1,64}}$", re.AS
 
 
 def marker_bytes(nonce: str, keep: list[str] | tuple[str, ...] = ()) -> bytes:
-    """The pending marker, naming its writer (host, pid: is it still running?) and, for
-    a removal, what it leaves (``keep``)."""
+    """The pending marker: its writer (host, pid) and, for a removal, what it leaves."""
     doc = {"library": LIBRARY, "kind": "pending", "nonce": nonce}
     doc.update(host=socket.gethostname(), pid=os.getpid())
     if keep:
@@ -62,9 +61,8 @@ def keeps(raw: bytes | None) -> list[str]:
 
 
 def temporary_files(loc: Location) -> list[str]:
-    """Local only (none elsewhere): the regular files at the top of ``loc`` named as a
-    pending marker's temporary file that hold our marker, its start, or nothing (a
-    writer killed before its rename)."""
+    """Local only: the marker's temporary files at the top of ``loc`` holding our marker,
+    its start, or nothing (a writer killed before its rename)."""
     if not loc.is_local:
         return []
     try:
@@ -80,13 +78,11 @@ _HEAD = b'{"library": "flax_orbax_plugin", "kind": "pending", "nonce": "'
 
 
 def _ours_cut_short(raw: bytes | None) -> bool:
-    """Our marker, or what a write of one cut short holds (nothing, or its start)."""
     return raw is not None and (is_marker(raw) or _HEAD.startswith(raw) or raw.startswith(_HEAD))
 
 
 def only_temporary_files(loc: Location) -> bool:
-    """Local only: True when ``loc`` holds something, and nothing but
-    :func:`temporary_files` (a claim or a removal killed while it wrote the marker)."""
+    """Local only: ``loc`` holds :func:`temporary_files` and nothing else."""
     try:
         kinds = loc.child_kinds() if loc.is_local else {}
     except OSError:
@@ -95,7 +91,6 @@ def only_temporary_files(loc: Location) -> bool:
 
 
 def temporary_markers(loc: Location) -> list[str]:
-    """Local only: the :func:`temporary_files` of ``loc`` that hold our whole marker."""
     return [n for n in temporary_files(loc) if is_marker(_read_quietly(loc, n))]
 
 
@@ -126,8 +121,7 @@ CANCELLED = "cancelled by its handle's cancel()"  # the reason of a cancel() wit
 
 
 def checked_timeout(timeout: Any) -> float | None:
-    """A wait's ``timeout`` checked (OptionError) and clamped to ``threading.TIMEOUT_MAX``
-    (never an OverflowError from the wait)."""
+    """A wait's ``timeout`` checked, clamped to ``threading.TIMEOUT_MAX`` (no OverflowError)."""
     timeout = _TIMEOUT.check(timeout)
     return None if timeout is None else min(float(timeout), threading.TIMEOUT_MAX)
 
@@ -170,8 +164,7 @@ class SaveResult:
 
 
 class Cancellation(threading.Event):
-    """The event a save's background phase checks, with why it was set (written before,
-    never changed): no ``reason`` is an interruption, a ``reason`` a cancellation."""
+    """A save's cancellation, with why (set once): no ``reason`` is an interruption."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -181,14 +174,6 @@ class Cancellation(threading.Event):
         if not self.is_set():
             self.reason = reason
         self.set()
-
-
-def _set(cancelled: threading.Event, reason: str | None) -> None:
-    """Sets a save's cancellation event, with ``reason`` where it takes one."""
-    if isinstance(cancelled, Cancellation):
-        cancelled.cancel(reason)
-    else:
-        cancelled.set()
 
 
 @_distributed.public(errors=refusals(lambda bound: [bound["self"].path]))
@@ -211,7 +196,7 @@ class SaveHandle:
         path: str,
         target: Any,
         *,
-        cancelled: threading.Event | None = None,
+        cancelled: Cancellation | None = None,
         region: _distributed.Region | None,
         guard: Callable[[str], None] | None = None,
     ):
@@ -233,7 +218,7 @@ class SaveHandle:
         raised at that phase's end finds nothing committed, however soon the background
         phase would have finished."""
         if held is not None and held.received:
-            _set(self.cancelled, None)
+            self.cancelled.cancel(None)
         _finish_at_exit(self)
         self._thread.start()
         return self
@@ -336,7 +321,7 @@ class SaveHandle:
         return self._cancel(None)
 
     def _cancel(self, reason: str | None) -> bool:
-        _set(self.cancelled, reason)
+        self.cancelled.cancel(reason)
         self._mark_reported()
         if self._thread.ident is None:
             return True  # never started: nothing was written
@@ -351,7 +336,6 @@ class SaveHandle:
         return self._error if self._finished.is_set() else None
 
     def _mark_reported(self) -> None:
-        """Its outcome was raised or cancelled: no save or read waits for it any longer."""
         self._reported = True
         _host.settled(self)
 
@@ -363,23 +347,20 @@ class SaveHandle:
             raise self._error
 
 
-# Saves whose background phase runs (see _finish_at_exit).
 _RUNNING: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
 
 
 def _finish_at_exit(handle: SaveHandle) -> None:
-    """A save the program does not wait for still commits when it ends: the interpreter
-    would stop the thread pools it writes with before joining its thread (the step
-    lost, silently). So the first save registers an exit step, run before the pools
-    stop, that waits for every running save, saying so (and a failure: exit status 1)
-    on stderr, or cancels them when a Ctrl-C ended the program."""
+    """A save nobody waits for still commits at exit: an exit step, run before the
+    interpreter stops the pools it writes with, waits for it (saying so on stderr; a
+    failure: exit status 1), or abandons it when a Ctrl-C ended the program."""
     _RUNNING.add(handle)
     _host.at_exit(_host.FINISH, _finish_running)
 
 
 def _finish_running() -> bool:
-    """The saves still running, finished; True when one failed and nobody read its error."""
-    # Ctrl-C ended the program (sys.last_value is set by now): its saves are abandoned
+    """True when a save failed and nobody read its error."""
+    # a Ctrl-C that ended the program is sys.last_value by now
     interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
     failed = False
     for handle in [h for h in list(_RUNNING) if not h.done()]:
@@ -396,8 +377,8 @@ def _finish_running() -> bool:
 
 
 def raise_if_cancelled(cancelled: threading.Event | None, what: str) -> None:
-    """Background phase, at its checks: stops a cancelled save (a KeyboardInterrupt for
-    an interruption, a SaveCancelledError for a cancellation with a reason)."""
+    """Background phase: KeyboardInterrupt (interrupted) or SaveCancelledError (with a
+    reason) once ``cancelled`` is set."""
     if cancelled is None or not cancelled.is_set():
         return
     where = f"process {_distributed.process_index()}"

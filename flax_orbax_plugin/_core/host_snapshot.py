@@ -1,10 +1,7 @@
-"""One process's data of a save, from its devices to its files.
-
-Blocking phase (the saving thread, once per save): the host copies of the small leaves'
-batches (:func:`take_small`) and of the regions stored as their own arrays
-(:func:`take_regions`), and which process writes which rows. Background phase (the
-save's thread): format version 2's files (:func:`write_packed`) and the bounded writes
-in flight of both formats (:class:`WritesInFlight`); on any failure none is left in flight.
+"""One process's data of a save, from its devices to its files: in the blocking phase
+(the saving thread) its host copies (:func:`take_small`, :func:`take_regions`); in the
+background phase (the save's thread) version 2's files (:func:`write_packed`) and the
+bounded writes in flight of both formats (none left in flight on a failure).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.host_snapshot``.
 """
@@ -44,8 +41,7 @@ from .handle import raise_if_cancelled
 
 @dataclasses.dataclass(frozen=True)
 class Staging:
-    """How a save's blocking phase copied its accelerator arrays: ``kind`` (device,
-    pinned, host, streamed or none) and, for a fallback, ``note`` (why)."""
+    """How a save staged its accelerator arrays, and for a fallback ``note``: why."""
 
     kind: str = "none"
     note: str = ""
@@ -55,7 +51,6 @@ class Staging:
 
 
 def on_device(data: Any) -> bool:
-    """Whether ``data`` (a single-device jax.Array) takes the device path."""
     if not isinstance(data, jax.Array):
         return False
     return _device_copy.CPU_AS_DEVICE or next(iter(data.devices())).platform != "cpu"
@@ -71,7 +66,6 @@ def materialize(data: Any) -> Any:
 
 
 def materialize_all(leaves: list) -> None:
-    """Every :class:`Deferred` of the leaves' writes replaced by its host bytes."""
     for leaf in leaves:
         writes = getattr(leaf, "writes", None)
         if writes:
@@ -81,8 +75,7 @@ def materialize_all(leaves: list) -> None:
 def pieces(
     rows: tuple[slice, ...], length: int, chunk_rows: int, row_bytes: int, most: int
 ) -> list:
-    """``rows`` (whole chunk rows along axis 0 of ``length``) cut into consecutive
-    regions of whole chunk rows of at most ``most`` bytes each (at least one row)."""
+    """``rows`` cut into regions of whole chunk rows of at most ``most`` bytes (or one row)."""
     if not rows or row_bytes <= 0:
         return [rows]
     start = rows[0].start or 0
@@ -94,35 +87,43 @@ def pieces(
 
 
 def take_small(leaves: list, batches: dict[str, BatchRecord], pool, own_copy: bool = False):
-    """The batches of small leaves this process writes, read now (every device-to-host
-    copy started first): (batch name -> its data, pooled buffers to give back). Called
-    before any large region's transfer is enqueued, so no read waits behind one."""
+    """The batches of small leaves this process writes, read now, before any large
+    region's transfer is enqueued (every device-to-host copy started first): (batch name
+    -> a pooled buffer, else the pieces of each leaf's own host copy; pooled buffers)."""
     me, pooled, keep, writers, owned = _owned(leaves, batches, pool, own_copy, small=True)
     for _, source, _ in owned:
         if on_device(source):
             source.copy_to_host_async()
-    batch_data = _take_small(owned, batches, writers, me, pool, keep)
-    for leaf, _, _ in owned:
+    batch_data: dict[str, Any] = {}
+    ends: dict[str, int] = {}  # end of the last leaf written into each batch
+    pieces: dict[str, list[tuple[int, np.ndarray]]] = {}
+    for name, batch in batches.items():
+        if writers[name] == me:
+            dtype = _layout.dtype_from_name(batch.dtype)
+            if pool is None:
+                pieces[name] = []
+            else:
+                batch_data[name] = keep(pool.empty((batch.size,), dtype))
+            ends[name] = 0
+    for leaf, source, _ in owned:
+        _copy_small(leaf.record.storage, source, batch_data, pieces, ends, pool)
         leaf.value = None  # the snapshot is all the background phase needs
+    for name, end in ends.items():
+        if name in pieces:
+            batch = batches[name]
+            dtype = _layout.dtype_from_name(batch.dtype)
+            batch_data[name] = _packed_writer.Gathered(pieces[name], dtype, batch.size)
+        else:
+            batch_data[name][end:] = 0
     return batch_data, pooled
 
 
-def take_regions(
-    leaves: list,
-    batches: dict[str, BatchRecord],
-    pool,
-    own_copy: bool = False,
-    budget: int | None = None,
-    device_kind: str = "pinned",
-):
-    """The regions stored as arrays of their own that this process writes (``own_copy``:
-    every region it holds), each into its leaf's ``writes``: (pooled buffers to give
-    back, whether the save must wait for its writes before returning).
-
-    Accelerator arrays are staged as ``device_kind`` says (``pinned``, ``host``, or
-    ``fetch`` in the device staging's background phase), or with a ``budget`` streamed
-    in pieces of at most a quarter of it; CPU arrays are then held as zero-copy views
-    and the save returns once they are written (the second value)."""
+def take_regions(leaves: list, batches: dict, pool, own_copy: bool, budget, device_kind: str):
+    """The regions stored as arrays of their own that this process writes, into their
+    leaves' ``writes``: (pooled buffers to give back, whether the save waits for its
+    writes: with a ``budget``, device regions streamed in pieces of at most a quarter of
+    it and CPU arrays held as views). Accelerator arrays staged as ``device_kind`` says
+    (``pinned``, ``host``, or ``fetch`` in the device staging's background phase)."""
     _, pooled, keep, _, owned = _owned(leaves, batches, pool, own_copy, small=False)
     later: list[tuple[np.ndarray, np.ndarray]] = []  # pooled copies, made all at once
     streamed = budget is not None
@@ -145,8 +146,8 @@ def take_regions(
 
 
 def _owned(leaves: list, batches: dict, pool, own_copy: bool, *, small: bool):
-    """(me, pooled buffers, the function recording one taken from ``pool``, writers of
-    the batches, the regions this process writes of the small or the other leaves)."""
+    """(me, pooled buffers, ``keep`` recording one taken from ``pool``, the batches'
+    writers, the regions this process writes of the small or the other leaves)."""
     me = _distributed.process_index()
     pooled: list[np.ndarray] = []
 
@@ -155,41 +156,13 @@ def _owned(leaves: list, batches: dict, pool, own_copy: bool, *, small: bool):
             pooled.append(buffer)
         return buffer
 
-    writers = {n: b.process for n, b in batches.items()}
-    if own_copy:
-        writers = held_batches(leaves, batches, me)
+    writers = batch_writers(leaves, batches, me, own_copy)
     owned = [o for o in owned_regions(leaves, writers, me, own_copy) if _is_small(o[0]) == small]
     return me, pooled, keep, writers, owned
 
 
 def _is_small(leaf) -> bool:
     return isinstance(leaf.record.storage, BatchStorage)
-
-
-def _take_small(owned: list, batches: dict, writers: dict, me: int, pool, keep) -> dict:
-    """The batches this process writes: with a pool, one pooled buffer per batch; else
-    the pieces of each leaf's own host snapshot, gathered by the writer."""
-    batch_data: dict[str, Any] = {}
-    ends: dict[str, int] = {}  # end of the last leaf written into each batch
-    pieces: dict[str, list[tuple[int, np.ndarray]]] = {}
-    for name, batch in batches.items():
-        if writers[name] == me:
-            dtype = _layout.dtype_from_name(batch.dtype)
-            if pool is None:
-                pieces[name] = []
-            else:
-                batch_data[name] = keep(pool.empty((batch.size,), dtype))
-            ends[name] = 0
-    for leaf, source, _ in owned:  # small leaves only
-        _copy_small(leaf.record.storage, source, batch_data, pieces, ends, pool)
-    for name, end in ends.items():
-        if name in pieces:
-            batch = batches[name]
-            dtype = _layout.dtype_from_name(batch.dtype)
-            batch_data[name] = _packed_writer.Gathered(pieces[name], dtype, batch.size)
-        else:
-            batch_data[name][end:] = 0
-    return batch_data
 
 
 # Each chunk checksummed as it is copied into the pool, where the C kernel is built
@@ -208,7 +181,7 @@ def _summed(leaf):
 
 
 def _pieces(leaf, source, rows, budget: int | None) -> list:
-    """``[rows]``, or with a ``budget`` a device region in pieces of at most a quarter of it."""
+    """``[rows]``; with a ``budget``, a device region in pieces of a quarter of it."""
     if budget is None or not isinstance(source, tuple) or not on_device(source[0]):
         return [rows]
     data = source[0]
@@ -218,8 +191,10 @@ def _pieces(leaf, source, rows, budget: int | None) -> list:
     return pieces(rows, length, chunk_rows, row_bytes, max(1, budget // 4))
 
 
-def held_batches(leaves: list, batches: dict[str, BatchRecord], me: int) -> dict[str, int]:
-    """``{batch: me}`` for each batch every leaf of which this process holds (own copy)."""
+def batch_writers(leaves: list, batches: dict[str, BatchRecord], me: int, own_copy: bool):
+    """``{batch: its writer}``; an own copy: this process where it holds every leaf, else -1."""
+    if not own_copy:
+        return {n: b.process for n, b in batches.items()}
     held = dict.fromkeys(batches, me)
     for leaf in leaves:
         storage = leaf.record.storage
@@ -277,8 +252,7 @@ def _copy_small(storage: BatchStorage, source, batch_data, pieces, ends, pool) -
 
 
 def _copy_region(source, rows, pool, keep, later: list, kind: str, summed):
-    """The host copy of the region ``rows`` of a leaf stored as its own array (of an
-    accelerator array: a ``Deferred``); a pooled copy is checksummed as ``summed`` says."""
+    """The host copy (accelerator arrays: a ``Deferred``) of the region ``rows``."""
     if isinstance(source, tuple):
         data, index = source
         part = _relative(rows, index)
@@ -302,9 +276,8 @@ def _copy_region(source, rows, pool, keep, later: list, kind: str, summed):
 
 
 def _pooled(pool: BufferPool, host: np.ndarray, rows, later: list, summed) -> np.ndarray:
-    """A pooled buffer for ``host`` (the global region ``rows``), its copy left in ``later``
-    for ``copy_all`` in pieces of whole chunk rows, each chunk's crc32c computed as it is
-    copied into ``summed``'s crcs (None: copied only)."""
+    """A pooled buffer for ``host`` (the region ``rows``), its copy left in ``later`` in
+    pieces of whole chunk rows, checksummed into ``summed``'s crcs as copied (None: not)."""
     out = pool.empty(host.shape, host.dtype)
     shape, chunk, crcs = summed or ((), (), None)
     if not shape or not rows:
@@ -350,8 +323,7 @@ def _my_rows(index: tuple[slice, ...], shape, chunk, holders: list[int], me: int
 
 
 def _local_replica(value: jax.Array, index: tuple[slice, ...] | None) -> jax.Array:
-    """A single-device array on this process holding region ``index`` (None: the whole
-    unpartitioned value)."""
+    """A single-device array on this process holding region ``index`` (None: all)."""
     if len(value.sharding.device_set) == 1:
         return value
     want = None if index is None else tuple((s.start, s.stop) for s in index)
@@ -366,7 +338,6 @@ def _local_replica(value: jax.Array, index: tuple[slice, ...] | None) -> jax.Arr
 
 
 def _relative(rows: tuple[slice, ...], index: tuple[slice, ...]) -> tuple[slice, ...] | None:
-    """``rows`` (global) relative to the shard region ``index``; None when equal."""
     if not rows or rows[0] == index[0]:
         return None
     start = index[0].start or 0
@@ -374,12 +345,9 @@ def _relative(rows: tuple[slice, ...], index: tuple[slice, ...]) -> tuple[slice,
 
 
 def _host_copy(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
-    """Host bytes of ``data`` that no later donation, deletion or update can change.
-
-    On CPU, jax neither donates nor frees a buffer while a numpy view of it lives, so
-    the view is the snapshot (checked once: :func:`cpu_views_are_snapshots`; else
-    copied). Elsewhere ``np.asarray`` is a fresh device-to-host copy already.
-    """
+    """Host bytes of ``data`` no later donation, deletion or update can change: on CPU
+    a numpy view (jax frees no buffer a view holds: :func:`cpu_views_are_snapshots`),
+    elsewhere ``np.asarray``'s device-to-host copy."""
     host = np.asarray(data)
     if part is not None:
         host = host[part]
@@ -412,7 +380,6 @@ def cpu_views_are_snapshots() -> bool:
 
 
 def batch_jobs(batch_specs, batches, batch_data, writer) -> list:
-    """The jobs of the batches this process writes (those in ``batch_data``)."""
     jobs = []
     for name, spec in batch_specs:
         if name in batch_data:
@@ -427,13 +394,11 @@ def batch_jobs(batch_specs, batches, batch_data, writer) -> list:
 
 
 def _assembled(data: Any) -> Any:
-    """A batch whole in one buffer (its leaves' ``Gathered`` pieces copied together)."""
     return data.assemble() if isinstance(data, _packed_writer.Gathered) else data
 
 
 class WritesInFlight:
-    """Writes in flight (future, bytes), drained whenever more than ``limit`` bytes are
-    (the host-memory budget); ``written`` counts the bytes handed out."""
+    """Writes in flight, drained past ``limit`` bytes; ``written``: the bytes handed out."""
 
     def __init__(self, limit: int, cancelled: threading.Event | None = None):
         self.limit = limit
@@ -444,8 +409,8 @@ class WritesInFlight:
         self.progress = _host.Progress()
 
     def report(self, total: int):
-        """Begins this thread's activity "writing this process's data" of ``total``
-        bytes (its progress published by the heartbeat); the caller ends it."""
+        """Begins this thread's activity (``total`` bytes, in the heartbeat); the caller
+        ends it."""
         doing = _host.ACTIVITIES.begin("writing this process's data", moving=True)
         self.progress = doing.progress
         self.progress.total = total
@@ -453,8 +418,8 @@ class WritesInFlight:
 
     def fail(self, error: BaseException, staging: Location, *, direct: bool) -> None:
         """After ``error``: waits for every write in flight (none may recreate files after
-        a cleanup), then raises a tensorstore ValueError (or a direct writer's OSError) as
-        a CheckpointError; returns for any other."""
+        a cleanup); a tensorstore ValueError or a direct writer's OSError is raised as a
+        CheckpointError."""
         settle(self.futures)
         if isinstance(error, ValueError):  # tensorstore's status text, with its whole spec
             text = str(error).split(" [tensorstore_spec=", 1)[0]
@@ -502,7 +467,7 @@ class WritesInFlight:
 
 
 def settle(pending) -> None:
-    """Waits for every future, ignoring their errors (the first error is the one raised)."""
+    """Waits for every future, ignoring their errors (the first one is raised already)."""
     for future, _ in pending:
         try:
             future.result()
@@ -513,10 +478,10 @@ def settle(pending) -> None:
 def write_packed(
     staging: Location, leaves: list, snap: Any, reuse: Callable[[], Any] | None
 ) -> tuple[int, dict[str, str], int]:
-    """Writes this process's chunks of ``snap`` (a Snapshot; ``leaves``: as stored) into
-    its data files and its index, taking its batches out of ``snap.batch_data``; returns
-    (bytes written, {index file: sha256}, bytes reused). ``reuse()``: the previous data
-    files taken. Files gathered for upload stay within a quarter of the host memory budget."""
+    """Writes this process's chunks of ``snap`` (``leaves``: as stored; its batches taken
+    out of ``snap.batch_data``) into its data files and index: (bytes written, {index:
+    sha256}, bytes reused). ``reuse()``: the previous data files taken. Files gathered for
+    upload stay within a quarter of the host memory budget."""
     if sys.byteorder != "little":
         raise CheckpointError("format_version=2 is written on little-endian hosts only")
     req, batches, batch_data = snap.request, snap.batches, snap.batch_data
@@ -542,7 +507,11 @@ def write_packed(
     except BaseException as e:
         pending.fail(e, staging, direct=True)
         raise
-    name, raw = writer.write_index(_dtypes(leaves, batches))
+    dtypes = {batch_dir(name): b.dtype for name, b in batches.items()}  # as stored
+    for leaf in leaves:
+        if isinstance(leaf.record.storage, ArrayStorage):
+            dtypes[array_dir(leaf.index)] = _subbyte.stored(leaf.record).dtype
+    name, raw = writer.write_index(dtypes)
     return pending.written, {name: sha256(raw)}, 0 if taken is None else taken.nbytes
 
 
@@ -563,22 +532,7 @@ def _packed_jobs(writer: _packed_writer.PackedWriter, taken, leaves, batches, ba
     ]
     plain = [(name, None) for name, b in batches.items() if b.codec is None]
     jobs += batch_jobs(plain, batches, batch_data, writer)
-    return jobs + _compressedbatch_jobs(batches, batch_data, writer)
-
-
-def _dtypes(leaves: list, batches: dict[str, BatchRecord]) -> dict[str, str]:
-    """The stored dtype of every array and batch."""
-    out = {batch_dir(name): b.dtype for name, b in batches.items()}
-    for leaf in leaves:
-        if isinstance(leaf.record.storage, ArrayStorage):
-            out[array_dir(leaf.index)] = _subbyte.stored(leaf.record).dtype
-    return out
-
-
-def _compressedbatch_jobs(batches: dict[str, BatchRecord], batch_data, writer) -> list:
-    """The jobs of this process's compressed batches (each encoded whole in memory)."""
-    jobs = []
-    for name, batch in batches.items():
+    for name, batch in batches.items():  # each compressed batch encoded whole in memory
         if batch.codec is not None and name in batch_data:
             data = _assembled(batch_data.pop(name))
             spec = _arrays.batch_spec(_codec.MEMORY, batch)

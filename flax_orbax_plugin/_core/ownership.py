@@ -1,6 +1,6 @@
 """The one owner of removal, on every store: what proves a place ours, the claims, the
-checks before a save writes, and the removal of a place proven ours (``_core.removing``
-builds removing steps and leftovers on these).
+checks before a save writes, the removal of a place proven ours (``_core.removing``
+builds on these) and of what a failed import or export created.
 
 Threading: stateless; any function may be called from any thread. Callers serialise
 removals of one place (the manager's writer lock, the tier's primary process).
@@ -41,8 +41,6 @@ from .._storage.untrusted import entry_kind
 from . import formats as _formats
 from . import handle as _handle
 from . import writer_liveness as _liveness
-from .created import missing_directories as missing_directories
-from .created import remove_created as remove_created
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -51,9 +49,8 @@ _pending_bytes = _handle.marker_bytes  # the marker's helpers, under the names c
 
 
 def claim(loc: Location, nonce: str, *, fresh: bool = False) -> None:
-    """Marks ``loc`` as a place this library is writing (staging) or removing: by one
-    process per place, made durable by a later ``sync``; a failed write leaves no empty
-    folder. Object stores: a conditional claim (``writer_liveness.claim_in_place``)."""
+    """Marks ``loc`` as a place this library is writing or removing (one process per
+    place; durable at a later ``sync``). Object stores: a conditional claim."""
     if not loc.supports_rename:
         _liveness.claim_in_place(loc, nonce, fresh=fresh)
         return
@@ -104,10 +101,8 @@ def proof(loc: Location, *, step: int | None = None) -> str | None:
         # a staging name of ours holding only our marker's temporary files, empty too
         if _steps.SAVE_STAGING_RE.match(loc.name) and _handle.only_temporary_files(loc):
             return "pending marker"
-    except ForeignEntryError:
-        return None  # a link or a FIFO where our file would be: not ours
-    except CheckpointError:
-        return None  # a damaged record proves nothing
+    except CheckpointError:  # a damaged record, a link or a FIFO where ours would be
+        return None
     return None
 
 
@@ -205,9 +200,9 @@ def exists(loc: Location) -> bool:
 def remove_proven(
     loc: Location, *, pace: Callable[[], int] | None = None, keep: list[str] | None = None
 ) -> None:
-    """Removes what this library wrote at ``loc``, the pending marker (naming what is
-    kept) written first and removed last. ``keep``: the strangers found already. A fresh
-    marker names this remover, so a live removal is never taken for an abandoned place."""
+    """Removes what this library wrote at ``loc``, a fresh pending marker (naming this
+    remover and what is kept: ``keep``, the strangers found already) written first and
+    removed last."""
     raw = loc.read_bytes(PENDING_FILE)
     if raw is None and keep is None:
         raw = _pending_bytes(secrets.token_hex(6))
@@ -288,26 +283,21 @@ def _step_rule(manifest: StepManifest) -> Rule:
     return rule
 
 
-def rule_for(loc: Location) -> Rule | None:
-    """The names the library writes at ``loc``, from its commit record (None: no
-    readable record: everything there is the library's)."""
+def strangers(loc: Location) -> list[str]:
+    """The entries under ``loc`` (relative paths, sorted) that the library did not write,
+    by its commit record (none without one): a directory of someone else's is named
+    once, not walked. Object stores name keys."""
+    rule: Rule
     try:
         raw = loc.read_bytes(MANIFEST_FILE)
         if raw is not None:
-            return _step_rule(manifest_from_bytes(raw, f"{loc}/{MANIFEST_FILE}"))
-        if loc.read_bytes(COMMIT_FILE) is not None:
-            return _formats.checkpoint_names
+            rule = _step_rule(manifest_from_bytes(raw, f"{loc}/{MANIFEST_FILE}"))
+        elif loc.read_bytes(COMMIT_FILE) is not None:
+            rule = _formats.checkpoint_names
+        else:
+            return []
     except CheckpointError:
-        return None  # damaged: ``proof`` does not prove such a place ours either
-    return None
-
-
-def strangers(loc: Location) -> list[str]:
-    """The entries under ``loc`` (relative paths, sorted) that the library did not write:
-    a directory of someone else's is named once, not walked. Object stores name keys."""
-    rule = rule_for(loc)
-    if rule is None:
-        return []
+        return []  # damaged: ``proof`` does not prove such a place ours either
     if not loc.is_local:
         return sorted(k for k in loc.keys() if not rule(k.split("/"), False))
     ours = set(_handle.temporary_files(loc))  # our marker's write cut short, even empty
@@ -333,19 +323,11 @@ def strangers(loc: Location) -> list[str]:
     return sorted(out)
 
 
-def enclosing(names: list[str]) -> set[str]:
-    """Every directory (relative path) that holds one of ``names``."""
-    out = set()
-    for name in names:
-        parts = name.split("/")
-        out.update("/".join(parts[:i]) for i in range(1, len(parts)))
-    return out
-
-
 def remove_all_but(loc: Location, keep: list[str], *, pace: Callable[[], int] | None) -> None:
     """Removes everything at ``loc`` but ``keep`` (named in a warning) and the
     directories holding it, the pending marker last; ``loc`` too when nothing is kept."""
-    kept, holders = set(keep), enclosing(keep)
+    kept = set(keep)
+    holders = {"/".join(k.split("/")[:i]) for k in keep for i in range(1, k.count("/") + 1)}
     if loc.is_local:
         _clear_local(loc.path.rstrip("/"), "", kept, holders)
         os.unlink(os.path.join(loc.path.rstrip("/"), PENDING_FILE))
@@ -402,3 +384,26 @@ def _rmtree(path: str) -> None:
         shutil.rmtree(path, onexc=fail)
     else:
         shutil.rmtree(path, onerror=fail)
+
+
+def missing_directories(path: str) -> list[str]:
+    """The directories ``os.makedirs(path)`` would create, the deepest first."""
+    missing, path = [], os.path.abspath(path)
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def remove_created(directories: list[str], files: tuple[str, ...] = ()) -> None:
+    """Removes ``files`` (regular files in the deepest of ``directories``, never through a
+    link), then each of ``directories`` that is empty, deepest first."""
+    for name in files if directories else ():
+        path = os.path.join(directories[0], name)
+        if os.path.isfile(path) and not os.path.islink(path):
+            os.unlink(path)
+    for path in directories:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return  # not empty (or gone): it and its parents stay

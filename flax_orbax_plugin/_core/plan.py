@@ -1,12 +1,10 @@
-"""The layout of one save: a record per leaf and the batches of small leaves.
+"""The layout of one save: a record per leaf (:func:`classify` refuses what cannot be
+saved, naming its path) and the batches of small leaves.
 
-:func:`classify` turns a pytree leaf into (kind, value to save, PRNG impl), refusing
-what cannot be saved with a StructureError naming its path. :meth:`Plan.build` decides
-every leaf's storage (its own array, or a slot in the batch of its writer process and
-dtype), identically on every process, and picks the format once; :meth:`Plan.snapshot`
-takes this process's host copy into a :class:`Snapshot`, whose :meth:`Snapshot.write`
-is the background phase. Call order: build and snapshot on the caller's thread, then
-write on one background thread. Every mode is the frozen request's.
+:meth:`Plan.build` decides every leaf's storage identically on every process and picks
+the format once; :meth:`Plan.snapshot` takes this process's host copy into a
+:class:`Snapshot`, whose :meth:`Snapshot.write` is the background phase. Call order:
+build and snapshot on the caller's thread, then write on one background thread.
 """
 
 from __future__ import annotations
@@ -77,35 +75,19 @@ def _utf8(text: str, what: str) -> bytes:
         ) from None
 
 
-class DocumentSize:
-    """A lower bound of ``_METADATA.json``'s bytes, so a tree whose metadata no reader
-    accepts is refused before anything is staged (the exact size is checked when it is
-    encoded); :meth:`add` refuses a leaf path UTF-8 cannot encode."""
+_PER_LEAF = len('{"path":"","keys":[],"kind":""}')  # a leaf record's bytes beside its path
 
-    _PER_LEAF = len('{"path":"","keys":[],"kind":""}')
 
-    def __init__(self):
-        self.bytes = 0
-        self.leaves = 0
-        self.text_leaves = 0
-
-    def add(self, path: str, text: str | None) -> None:
-        if not path.isascii():
-            _utf8(path, f"leaf path {path!r}: a key")
-        self.leaves += 1
-        self.bytes += self._PER_LEAF + len(path)
-        if text is not None:
-            self.text_leaves += 1
-            self.bytes += len(json.dumps(text))  # as the record holds it (escaped)
-
-    def check(self) -> None:
-        limit = _local_files.METADATA.max_bytes
-        if self.bytes > limit:
-            raise StructureError(
-                f"{_layout.METADATA_FILE} of this tree would hold more than {self.bytes} bytes "
-                f"({self.leaves} leaves, {self.text_leaves} str or bytes), more than a reader "
-                f"accepts ({limit}): store large text as uint8 arrays, or save fewer leaves"
-            )
+def _check_document_size(nbytes: int, leaves: int, text_leaves: int) -> None:
+    """``nbytes``, a lower bound of ``_METADATA.json``'s (the exact size is checked when
+    it is encoded), refused before anything is staged when no reader would accept it."""
+    limit = _local_files.METADATA.max_bytes
+    if nbytes > limit:
+        raise StructureError(
+            f"{_layout.METADATA_FILE} of this tree would hold more than {nbytes} bytes "
+            f"({leaves} leaves, {text_leaves} str or bytes), more than a reader "
+            f"accepts ({limit}): store large text as uint8 arrays, or save fewer leaves"
+        )
 
 
 def _check_live(path: str, leaf: jax.Array) -> None:
@@ -186,10 +168,8 @@ class Leaf:
     value: Any  # jax.Array / np.ndarray / None, after scalar and key conversion
     record: LeafRecord
     writes: list[tuple[tuple[slice, ...], np.ndarray]] = dataclasses.field(default_factory=list)
-    # {chunk grid cell: crc32c} of chunks of ``writes`` checksummed as they were copied
-    crcs: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)
-    # a small host leaf's bytes, digested when planned (compared across processes)
-    value_digest: str | None = None
+    crcs: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)  # as copied
+    value_digest: str | None = None  # a small host value's (compared across processes)
 
 
 class _Batching:
@@ -266,29 +246,32 @@ class Plan:
         flat, _ = _tree.flatten(tree)
         leaves: list[Leaf] = []
         batching = _Batching()
-        size = DocumentSize()
+        doc_bytes = text_leaves = 0
         compared = _distributed.process_count() > 1  # small host values: else unused
         for index, (path, keys, raw) in enumerate(flat):
             kind, value, impl = classify(path, raw)
             keys = tuple(keys)
             text = value if kind in _layout.TEXT_KINDS else None  # kept in the record
-            size.add(path, text)
+            if not path.isascii():
+                _utf8(path, f"leaf path {path!r}: a key")
+            doc_bytes += _PER_LEAF + len(path)
+            if text is not None:
+                text_leaves += 1
+                doc_bytes += len(json.dumps(text))  # as the record holds it (escaped)
             if kind in _layout.NO_DATA_KINDS:
                 leaves.append(Leaf(index, None, LeafRecord(path, keys, kind, value=text)))
                 continue
             record = _data_record(path, keys, kind, value, impl, codec, batching)
             shown = _host_value(value) if compared else None
             leaves.append(Leaf(index, value, record, value_digest=shown))
-        size.check()
+        _check_document_size(doc_bytes, len(flat), text_leaves)
         version = _formats.for_version(request.format_version)  # picked once, here
         return cls(leaves, batching.records(codec), request, version, _digest(leaves))
 
     def snapshot(self) -> Snapshot:
         """The blocking phase's copy of every byte this process writes (into the
-        request's buffers where it has them and no budget). Small leaves are read first;
-        accelerator arrays then take the platform's staging (with the device staging only
-        a device copy is made here, its host copy in :meth:`Snapshot.write`); nothing
-        here reads a device value after that copy is enqueued."""
+        request's buffers, if any and no budget): small leaves first, then the platform's
+        staging (the device staging's host copy is :meth:`Snapshot.write`'s)."""
         req = self.request
         budget = req.host_memory_budget
         pool = None if budget is not None else req.buffers
@@ -363,11 +346,9 @@ class Snapshot:
         )
 
     def write(self, location: Location, *, durable: bool = True) -> _formats.Written:
-        """Background phase: this process's chunks (and, on the primary, the metadata);
-        with ``durable``, made durable (a manager step syncs once for all its items).
-        Commits nothing. With ``request.reuse`` (every process, in the same order) the
-        chunks of a leaf equal to the previous step's are linked or copied on the server
-        rather than written (``_incremental/reuse.py``)."""
+        """Background phase: this process's chunks (the primary: the metadata too), made
+        durable with ``durable``; commits nothing. With ``request.reuse`` (every process,
+        in the same order) unchanged leaves are linked or copied (``_incremental/reuse``)."""
         try:
             return self._write(location, durable=durable)
         finally:
@@ -409,7 +390,6 @@ class Snapshot:
         return _formats.Written(written, files, reused)
 
     def _encode(self, out: concurrent.futures.Future) -> None:
-        """``_METADATA.json``'s bytes (compact; the checksum is of these bytes)."""
         try:
             doc = self.document().to_json()
             out.set_result(_local_files.encode(doc, METADATA_FILE, _local_files.METADATA))
@@ -418,7 +398,6 @@ class Snapshot:
 
 
 def _take(leaves, batches, pool, request: SaveRequest, kind: str, pooled: list) -> bool:
-    """``host_snapshot.take_regions``, its pooled buffers added to ``pooled``."""
     more, write_first = _host_snapshot.take_regions(
         leaves, batches, pool, request.own_copy, request.host_memory_budget, device_kind=kind
     )
@@ -427,9 +406,8 @@ def _take(leaves, batches, pool, request: SaveRequest, kind: str, pooled: list) 
 
 
 def _stored_leaves(leaves: list[Leaf], found):
-    """The leaves as stored: a sub-byte leaf becomes one of its stored record holding
-    its packed bytes (its device regions copied here, all at once: not streamed), and
-    ``found`` (``_reuse.unchanged``'s) refers to those. Background thread."""
+    """The leaves as stored (a sub-byte leaf: its packed bytes, copied here at once), and
+    ``found`` (``_reuse.unchanged``'s) referring to them. Background thread."""
     out, by_index = [], {}
     for leaf in leaves:
         if _chunks.is_packed(leaf.record):
@@ -462,7 +440,6 @@ def _digest(leaves: list[Leaf]) -> str:
 
 
 def _host_value(value: Any) -> str | None:
-    """A short digest of a small host value's bytes (None for any other value)."""
     if isinstance(value, np.ndarray) and value.nbytes <= 1 << 16:
         return hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:12]
     return None

@@ -15,15 +15,14 @@ import numpy as np
 from .._base import distributed as _distributed
 from .._base import tree as _tree
 from .._format import layout as _layout
-from .._format.layout import BatchRecord, BatchStorage
+from .._format.layout import BatchStorage
 from . import host_snapshot as _host_snapshot
 from .formats import SaveRequest
 from .plan import Plan
 
 
 def pool_sizes(like: Any, request: SaveRequest) -> list[int]:
-    """The byte sizes of the pooled host buffers one save of ``like`` (arrays, or
-    ShapeDtypeStructs on one device) takes, as ``request`` says."""
+    """The pooled buffers' sizes of a save of ``like`` (arrays, or one device's structs)."""
 
     def stand_in(path, x):
         if not isinstance(x, jax.ShapeDtypeStruct):
@@ -40,16 +39,11 @@ def pool_sizes(like: Any, request: SaveRequest) -> list[int]:
     tree = jax.tree_util.tree_map_with_path(stand_in, like)
     with _tree.paused_gc():
         plan = Plan.build(tree, request)
-    return _buffer_sizes(plan.leaves, plan.batches, own_copy=request.own_copy)
-
-
-def _buffer_sizes(leaves: list, batches: dict[str, BatchRecord], own_copy: bool = False) -> list:
-    """The byte size of every pooled buffer for a plan's leaves and batches: each batch this
-    process writes, each region it copies of a host leaf stored as its own array."""
+    # a buffer per batch this process writes, per region it copies of a host leaf stored
+    # as its own array
+    leaves, batches, own_copy = plan.leaves, plan.batches, request.own_copy
     me = _distributed.process_index()
-    writers = {n: b.process for n, b in batches.items()}
-    if own_copy:
-        writers = _host_snapshot.held_batches(leaves, batches, me)
+    writers = _host_snapshot.batch_writers(leaves, batches, me, own_copy)
     sizes = [
         b.size * _layout.dtype_from_name(b.dtype).itemsize
         for n, b in batches.items()

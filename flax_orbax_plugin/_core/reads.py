@@ -104,11 +104,14 @@ class ReadRequest:
         return dataclasses.replace(self, **fields)
 
 
-def read_slice(direct: _packed_reader.PackedReader, batch: BatchRecord, off: int, size: int):
-    """A read of elements ``[off, off + size)`` of a version-2 batch."""
+def read_slice(store, direct: _packed_reader.PackedReader, batch: BatchRecord, off, size: int):
+    """A read of elements ``[off, off + size)`` of a batch, through tensorstore's ``store``
+    where there is one, else version 2's reader."""
+    dtype = _layout.dtype_from_name(batch.dtype)
+    if store is not None:
+        return ReadInto(store[off : off + size], dtype)
     chunk = int(batch.chunk)
     files = range(off // chunk, -(-(off + size) // chunk)) if size else range(0)
-    dtype = _layout.dtype_from_name(batch.dtype)
     sub, inner = batch_dir(batch.name), batch.inner
     read = direct.read_batch(sub, batch.size, chunk, inner, dtype, files)
     first = files.start * chunk if files else 0
@@ -117,117 +120,76 @@ def read_slice(direct: _packed_reader.PackedReader, batch: BatchRecord, off: int
 
 
 def check_claims(
-    location: Location, doc: CheckpointDocument, targets: list, *, own_copy: bool
+    location: Location,
+    doc: CheckpointDocument,
+    targets: list,
+    *,
+    own_copy: bool = False,
+    packed: Any = None,
 ) -> None:
-    """Checks that the chunk files every target reads hold at least the bytes the metadata
-    claims, before anything sized by a claim is allocated (a resealed metadata may claim
-    any shape); else a CorruptCheckpointError naming the file, the field and what is on
-    disk. Local disks only (object stores list no sizes); one ``stat`` per chunk file.
-    ``own_copy``: a host's own copy holds its own regions only: a sharded array there is
-    not checked against the whole claim."""
-    if not location.is_local:
+    """CorruptCheckpointError, naming the field and what is stored, unless the data every
+    target reads holds what the metadata claims (a resealed one may claim any shape):
+    checked before anything sized by a claim is allocated. Version 1 (``packed`` None):
+    its chunk files, one ``stat`` each, on local disks only (object stores list no sizes);
+    a host's own copy (``own_copy``) holds its own regions, so a sharded array there is
+    not checked. Version 2: ``packed``'s indexes and the dtypes they record."""
+    if packed is None and not location.is_local:
         return
     where = f"{location}/{METADATA_FILE}"
     batches: dict[str, list[str]] = collections.defaultdict(list)
     for target in targets:
-        record = target.record
-        storage = record.storage
+        storage = target.record.storage
         if isinstance(storage, BatchStorage):
-            batches[storage.batch].append(record.path)
+            batches[storage.batch].append(target.record.path)
         if not isinstance(storage, ArrayStorage):
             continue
         if own_copy and getattr(target.like, "sharding", None) is not None:
             continue
-        record, needed = _array_needed(record)
-        field = f"leaves[{target.index}] ({record.path!r}).shape"
+        record = _subbyte.stored(target.record)  # as stored: a sub-byte leaf's packed bytes
+        storage = record.storage
+        itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
+        needed = _chunk_files.array_claim(
+            record.shape, storage.chunk_shape, itemsize, compressed=storage.codec is not None
+        )
+        field = f"leaves[{target.index}] ({record.path!r})"
         sub = array_dir(target.index)
-        _check_claim(location, sub, needed, where, field, record.shape)
+        claim = (".shape", record.shape, record.dtype)
+        _check_claim(location, packed, sub, needed, where, field, claim)
     for name, paths in sorted(batches.items()):
         batch = doc.batches[name]
-        needed = _batch_needed(batch)
-        shown = ", ".join(repr(p) for p in paths[:5]) + (" ..." if len(paths) > 5 else "")
-        field = f"batches[{name!r}].size (holding leaves {shown})"
-        _check_claim(location, batch_dir(name), needed, where, field, batch.size)
-
-
-def _array_needed(record) -> tuple[Any, tuple[int, int]]:
-    """A leaf's record as stored and the (chunk files, bytes) its claim needs."""
-    record = _subbyte.stored(record)
-    storage = record.storage
-    itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
-    needed = _chunk_files.array_claim(
-        record.shape, storage.chunk_shape, itemsize, compressed=storage.codec is not None
-    )
-    return record, needed
-
-
-def _batch_needed(batch) -> tuple[int, int]:
-    """The (chunk files, bytes) a batch's claim needs."""
-    itemsize = _layout.dtype_from_name(batch.dtype).itemsize
-    compressed = batch.codec is not None
-    return _chunk_files.batch_claim(
-        batch.size, int(batch.chunk), batch.inner, itemsize, compressed=compressed
-    )
-
-
-def _check_claim(location, sub: str, needed, where: str, field: str, claim) -> None:
-    files, nbytes = needed
-    if files == 0:
-        return
-    found_files, found_bytes = _chunk_files.stored_files(location.path, sub)
-    if found_files < files or found_bytes < nbytes:
-        raise CorruptCheckpointError(
-            f"{where}: field {field}: {show(claim)} needs {files} chunk files of "
-            f"{nbytes} bytes in all under {location}/{sub}/{CHUNK_DIR}, "
-            f"found {found_files} files of "
-            f"{found_bytes} bytes (stored data is damaged or missing, or the metadata "
-            f"claims more than was stored)"
+        itemsize = _layout.dtype_from_name(batch.dtype).itemsize
+        needed = _chunk_files.batch_claim(
+            batch.size, int(batch.chunk), batch.inner, itemsize, compressed=batch.codec is not None
         )
+        shown = ", ".join(repr(p) for p in paths[:5]) + (" ..." if len(paths) > 5 else "")
+        claim = (f".size (holding leaves {shown})", batch.size, batch.dtype)
+        _check_claim(location, packed, batch_dir(name), needed, where, f"batches[{name!r}]", claim)
 
 
-def check_packed_claims(location: Location, doc: CheckpointDocument, targets: list, packed) -> None:
-    """Format version 2: the data indexes list at least the chunks and bytes every target
-    claims, checked before anything sized by a claim is allocated."""
-    where = f"{location}/{METADATA_FILE}"
-    seen: set[str] = set()
-    for target in targets:
-        record = target.record
-        storage = record.storage
-        if isinstance(storage, BatchStorage) and storage.batch not in seen:
-            seen.add(storage.batch)
-            batch = doc.batches[storage.batch]
-            needed = _batch_needed(batch)
-            field = f"batches[{storage.batch!r}].size"
-            sub = batch_dir(storage.batch)
-            _check_dtype(packed, sub, batch.dtype, where, f"batches[{storage.batch!r}].dtype")
-            _check_listed(packed, sub, needed, where, field, batch.size)
-        if isinstance(storage, ArrayStorage):
-            record, needed = _array_needed(record)
-            field = f"leaves[{target.index}] ({record.path!r})"
-            sub = array_dir(target.index)
-            _check_dtype(packed, sub, record.dtype, where, f"{field}.dtype")
-            _check_listed(packed, sub, needed, where, f"{field}.shape", record.shape)
-
-
-def _check_dtype(packed, sub: str, claim: str, where: str, field: str) -> None:
-    """The metadata's dtype is the data index's (an older index names none)."""
-    found = packed.dtypes.get(sub)
-    if found is not None and found != claim:
+def _check_claim(location, packed, sub: str, needed, where: str, field: str, claim) -> None:
+    """``claim``: (the size field's suffix, the size claimed, the dtype claimed)."""
+    (size_field, size, dtype), (files, nbytes) = claim, needed
+    stored = packed.dtypes.get(sub) if packed is not None else None  # an older index: none
+    if stored is not None and stored != dtype:
         raise CorruptCheckpointError(
-            f"{where}: field {field}: the metadata claims {claim!r}, the data index "
-            f"records the bytes under {sub} as {found!r} (the metadata or the index is "
+            f"{where}: field {field}.dtype: the metadata claims {dtype!r}, the data index "
+            f"records the bytes under {sub} as {stored!r} (the metadata or the index is "
             f"damaged: restoring would reinterpret the bytes)"
         )
-
-
-def _check_listed(packed, sub: str, needed, where: str, field: str, claim) -> None:
-    files, nbytes = needed
-    found, found_bytes = packed.claimed(sub)
-    if files and (found < files or found_bytes < nbytes):
+    if files == 0:
+        return
+    if packed is None:
+        found, found_bytes = _chunk_files.stored_files(location.path, sub)
+        unit, under, listed = "chunk files", f"{location}/{sub}/{CHUNK_DIR}", "found"
+    else:
+        found, found_bytes = packed.claimed(sub)
+        unit, under, listed = "chunks", sub, "the data indexes list"
+    if found < files or found_bytes < nbytes:
         raise CorruptCheckpointError(
-            f"{where}: field {field}: {show(claim)} needs {files} chunks of {nbytes} bytes "
-            f"in all under {sub}, the data indexes list {found} of {found_bytes} bytes "
-            f"(stored data is damaged or missing, or the metadata claims more than was stored)"
+            f"{where}: field {field}{size_field}: {show(size)} "
+            f"needs {files} {unit} of {nbytes} bytes in all under {under}, {listed} {found}"
+            f"{' files' if packed is None else ''} of {found_bytes} bytes (stored data is "
+            f"damaged or missing, or the metadata claims more than was stored)"
         )
 
 
@@ -263,14 +225,12 @@ def make_target(index: int, record: LeafRecord, like: Any, *, cast: str) -> Targ
     if record.kind in _layout.TEXT_KINDS:
         return _text_target(target)
     if record.kind == "none":
-        if like is not None and _tree.is_empty_node(like):
-            target.result = like  # holds no data either: EmptyState() saved as None (Orbax)
-            return target
-        if like is not None:
+        if like is not None and not _tree.is_empty_node(like):
             raise StructureError(
                 f"leaf {path!r}: expected {_describe(like)} (from like), "
                 f"found None in the checkpoint"
             )
+        target.result = like  # None, or an empty node (EmptyState() saved as None: Orbax)
         return target
     target.dtype = _layout.dtype_from_name(record.dtype, path=path)
     saved_shape = record.shape
@@ -500,11 +460,9 @@ _PYTHON_KINDS = _SCALAR | {"np_scalar": lambda value: value}  # the rest: the ar
 
 def sharding_of(target: Target) -> Any:
     like = target.like
-    if target.record.kind == "prng_key" or like is None:
+    if target.record.kind == "prng_key" or not isinstance(like, (jax.Array, jax.ShapeDtypeStruct)):
         return None
-    if isinstance(like, (jax.Array, jax.ShapeDtypeStruct)):
-        return getattr(like, "sharding", None)
-    return None
+    return getattr(like, "sharding", None)
 
 
 def deleted_or(location: Location, error: Exception) -> Exception:
@@ -588,7 +546,7 @@ class Reader:
 
 def raise_environmental(error: Exception) -> None:
     """Raises the OSError ``error`` stands for when it is no proof of damage (EMFILE, EIO,
-    a timeout: ``_arrays.environmental``): no intact checkpoint is reported damaged."""
+    a timeout): no intact checkpoint is reported damaged."""
     env = _arrays.environmental(error)
     if env is error:
         raise error
@@ -605,12 +563,8 @@ def corrupt(paths: list[str], location: Location, error: Exception) -> CorruptCh
     )
 
 
-def open_array(spec: dict[str, Any], location: Location, paths: list[str]):
-    """Opens a stored array; a ``zarr.json`` at odds with the metadata names the leaves."""
-    return opened(_arrays.open_for_read(spec), location, paths)
-
-
 def opened(future, location: Location, paths: list[str]):
+    """A stored array opened; a ``zarr.json`` at odds with the metadata names the leaves."""
     try:
         return future.result()
     except ValueError as e:

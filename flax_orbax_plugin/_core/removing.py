@@ -63,8 +63,7 @@ def remove_if_ours(loc: Location, *, what: str) -> bool:
 
 
 def remove_leftover(loc: Location, *, what: str) -> tuple[bool, str | None]:
-    """:func:`remove_if_ours` for housekeeping that must go on: a leftover that cannot be
-    removed is passed over with a WARNING. Returns (removed, the error or None)."""
+    """:func:`remove_if_ours`, a failure passed over with a WARNING: (removed, error)."""
     try:
         return remove_if_ours(loc, what=what), None
     except (OSError, CheckpointError) as e:
@@ -115,7 +114,7 @@ def remove_step(directory: Location, step: int, *, pace: Callable[[], int] | Non
 def _remove_remains(
     step: int, loc: Location, *, how: str, pace: Callable[[], int] | None = None, keep: list[str]
 ) -> None:
-    """The step's files go, or a RemainsLeftError says where they stay and why."""
+    """The step's files go, or a RemainsLeftError says where they stay."""
     try:
         _env.fail_point("remove_remains")  # tests: a removal that fails midway (FOP_FAIL_AT)
         _ownership.remove_proven(loc, pace=pace, keep=keep)
@@ -135,8 +134,7 @@ def remove_children(loc: Location, names: list[str], *, action: str) -> None:
         remove_tree(loc.child(name))
 
 
-def remove_tree(loc: Location) -> None:
-    """Removes a child of a place already proven ours."""
+def remove_tree(loc: Location) -> None:  # a child of a place proven ours
     if loc.is_local:
         path = loc.path.rstrip("/")
         try:

@@ -87,16 +87,10 @@ class _Batch:
         """One read per leaf (tensorstore, or the packed reader's batch files)."""
         for target in targets:
             off, size = target.record.storage.offset, target.record.storage.size
-
-            def done(data, target=target):
-                finish(target, data, self.reader.placer)
-
             self.reader.submit(
-                ReadInto(self.store[off : off + size], self.dtype)
-                if self.store is not None
-                else read_slice(self.direct, self.batch, off, size),
+                read_slice(self.store, self.direct, self.batch, off, size),
                 size * self.dtype.itemsize,
-                done,
+                lambda data, target=target: finish(target, data, self.reader.placer),
                 self.fail([target.record.path]),
             )
 
@@ -152,7 +146,7 @@ def read_batch(reader: Reader, location, batch: BatchRecord, members, fail, erro
 
 
 def _runs(members: list[Target], inner: int) -> list[list[Target]]:
-    """The members by offset, in runs with gaps under ``RUN_GAP_INNER_CHUNKS``."""
+    """The members by offset, in runs with gaps of at most ``RUN_GAP_INNER_CHUNKS``."""
     ordered = sorted(members, key=lambda t: t.record.storage.offset)
     runs: list[list[Target]] = []
     stop = 0
@@ -166,7 +160,7 @@ def _runs(members: list[Target], inner: int) -> list[list[Target]]:
 
 
 class _FilePart:
-    """The ``k``-th file of a ranged batch read, as a future of the whole buffer."""
+    """The ``k``-th file of a ranged batch read, a future of the whole buffer."""
 
     def __init__(self, read, k: int):
         self.read, self.k = read, k
@@ -177,8 +171,7 @@ class _FilePart:
 
 
 def _read_run(one: _Batch, run: list[Target]) -> None:
-    """Reads the inner chunks under one run; a leaf is finished with the file it ends in,
-    unless a file it touches failed."""
+    """Reads one run; a leaf is finished with the file it ends in, unless one failed."""
     batch, chunk = one.batch, int(one.batch.chunk)
     start = run[0].record.storage.offset
     stop = max(t.record.storage.offset + t.record.storage.size for t in run)
@@ -349,10 +342,7 @@ def _read_targets_with(location, doc, targets, request: ReadRequest, fmt, direct
             shared.append((target, sharding))
             _read_shards(reader, store, target, rows, fail([record.path]), fmt, direct)
         elif sharding is None or sharding.is_fully_replicated or nbytes == 0:
-
-            def done(data, target=target):
-                finish(target, data, reader.placer)
-
+            done = lambda data, target=target: finish(target, data, reader.placer)
             reader.submit(
                 read_region(fmt, store, target, direct), nbytes, done, fail([record.path])
             )
@@ -384,13 +374,12 @@ def _shared_read_sharding(sharding: Any, shape: tuple[int, ...]) -> Any:
 
 
 @functools.lru_cache(maxsize=64)
-def _replicate(sharding: Any):
-    """An all-gather onto ``sharding``, as one jitted identity."""
+def _replicate(sharding: Any):  # an all-gather onto ``sharding``
     return jax.jit(lambda x: x, out_shardings=sharding)
 
 
 def _read_shards(reader: Reader, store, target: Target, sharding, on_error, fmt, direct) -> None:
-    """Reads only the regions this process's devices need; assembles a global jax.Array."""
+    """Reads the regions this process's devices need into a global jax.Array."""
     shape = target.record.shape
     by_index: dict[tuple, list] = collections.defaultdict(list)
     for device, index in sharding.addressable_devices_indices_map(shape).items():
@@ -433,8 +422,7 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, fmt,
 
 
 def _on(device: Any, sharding: Any) -> Any:
-    """Where one shard goes: ``device``, in the memory ``sharding`` asks for (a
-    ``pinned_host`` target's pieces must be there too, or jax refuses to assemble them)."""
+    """``device``, in the memory ``sharding`` asks for (or jax refuses to assemble them)."""
     kind = getattr(sharding, "memory_kind", None)
     return device if kind is None else jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
 
@@ -489,7 +477,7 @@ def plan_of(
 
 
 def metadata(path: Any) -> _metadata.CheckpointMetadata:
-    """``fop.metadata`` of this library's checkpoint at ``path``; reads no array data."""
+    """``fop.metadata`` of a checkpoint of this library; reads no array data."""
     location = Location.from_path(path)
     _host.wait_for_pending_save(location)
     return _metadata.to_public(read_document(location), str(location))
@@ -510,10 +498,9 @@ def read_request(
 ) -> ReadRequest:
     """The :class:`ReadRequest` of ``fop.restore``'s options, checked before anything is
     read. ``changes``: a front's own, already checked (then the four it holds not given)."""
-    given = {"memory_limit_bytes": memory_limit_bytes}
-    check(RESTORE, given | {"share_replicated_reads": share_replicated_reads})
-    dry_run = flag("dry_run", dry_run)
     share = share_replicated_reads
+    check(RESTORE, {"memory_limit_bytes": memory_limit_bytes, "share_replicated_reads": share})
+    dry_run = flag("dry_run", dry_run)
     return ReadRequest(
         memory_limit_bytes=memory_limit_bytes or DEFAULT_READ_LIMIT_BYTES,
         cast=cast,
@@ -528,7 +515,6 @@ def read_request(
 
 
 def restore_with(path: Any, like: Any, request: ReadRequest) -> Any:
-    """The native restore of ``path`` onto ``like``, every mode in ``request``."""
     location = Location.from_path(path)
     _host.wait_for_pending_save(location)
     with _tree.paused_gc():
@@ -547,7 +533,6 @@ def _dropped_or_same(opts: _onto_like.Changes, path: str) -> bool:
 
 
 def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
-    """The processes agree, the document is read, then its leaves (onto ``like``)."""
     like = _onto_like.concrete(like)  # shardings on an AbstractMesh: onto set_mesh's mesh
     if not request.own_copy and request.region is not None:  # a collective read
         agree_on_read(location, like, request)  # the same on every process, before a byte
@@ -586,7 +571,6 @@ def _as_saved(location: Location, doc, request: ReadRequest, saved: list[str]) -
 def _read_onto_like(
     location: Location, doc, like: Any, request: ReadRequest, saved: list[str]
 ) -> Any:
-    """The saved leaves (renamed, made by surgery) matched to ``like``'s and read."""
     opts = request.changes
     flat, treedef = _tree.flatten(like)
     records = {rec.path: (i, rec) for i, rec in enumerate(doc.leaves)}
@@ -621,8 +605,6 @@ def _read_onto_like(
 
 
 def _maker(made: dict[str, Any], cast: str):
-    """``make(i, record, leaf)``: a leaf's target (through the operations that made it)."""
-
     def make(i, rec, leaf):
         found = made.get(rec.path)
         if found is None or found.record is not rec:

@@ -1,12 +1,12 @@
-"""Saving a pytree: the blocking snapshot, then the background write and the commit.
+"""Saving a pytree (``fop.save``, ``save_async``, ``is_committed``): the blocking
+snapshot, then the background write and the commit.
 
 Call order, on every process (all save the same tree structure in the same order):
-:func:`snapshot` (the caller's thread) plans the layout and copies this process's bytes
-to host, after which the caller may donate the arrays; :meth:`Snapshot.write` (a
-background thread) writes and syncs the data; then :func:`commit_collectively` (the
-same thread, two key-value rounds, no barrier) makes the checkpoint (a pytree or a
-manager step) visible whole or not at all. One :func:`save_async` runs at a time in a
-process; a second one waits for it.
+:func:`snapshot` (the caller's thread; the caller may then donate the arrays);
+:meth:`Snapshot.write` (a background thread) writes and syncs the data; then
+:func:`commit_collectively` (the same thread, two key-value rounds, no barrier) makes the
+checkpoint (a pytree or a manager step) visible whole or not at all. One
+:func:`save_async` runs at a time in a process; a second one waits for it.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.save``.
 """
@@ -59,9 +59,8 @@ class Staging:
     def begin(
         cls, final: Location, nonce: str, *, claim: bool = True, own: bool = False
     ) -> Staging:
-        """The staging place of a commit of ``final`` (every process: the same ``nonce``),
-        claimed unless ``claim=False`` (the caller claims before its first write).
-        ``own``: a place only this process sees: every process claims and commits its own."""
+        """The staging of a commit of ``final`` (the same ``nonce`` on every process),
+        claimed unless ``claim=False`` (the caller claims before its first write)."""
         place = final.sibling(f"{final.name}.partial-{nonce}") if final.supports_rename else final
         staging = cls(final, place, nonce, own)
         if claim:
@@ -69,16 +68,13 @@ class Staging:
         return staging
 
     def claim(self, *, fresh: bool = False) -> None:
-        """Primary only (a no-op elsewhere): the others share the place and its claim.
-        ``fresh``: a save that replaces nothing (object stores: ``ownership.claim``)."""
+        """The primary's (or an own place's) claim; ``fresh``: a save that replaces nothing."""
         if self.own or _distributed.is_primary():
             _ownership.claim(self.location, self.nonce, fresh=fresh)
 
     def publish(self, marker: str, data: bytes, *, replace: bool) -> None:
-        """Primary only: writes the marker last and makes the checkpoint visible.
-
-        A ``final`` that holds anything this library cannot prove it wrote is never
-        replaced: ForeignEntryError, and the staged data is left for ``abort``."""
+        """Primary only: writes the marker last and makes the checkpoint visible; a
+        ``final`` not proven ours is never replaced (ForeignEntryError)."""
         self.location.write_bytes(marker, data)  # durable (file and directory fsynced)
         _env.kill_point("after_marker")
         self._unclaim()  # the marker now proves it ours (a crash: a committed .partial-)
@@ -104,8 +100,7 @@ class Staging:
         self._remove_stale_siblings()
 
     def _unclaim(self) -> None:
-        """The pending marker removed once the commit marker is written; a store that
-        refuses (PUT allowed, not DELETE) leaves it with a WARNING: the save is committed."""
+        """A store that refuses the delete (PUT allowed, not DELETE) leaves it: a WARNING."""
         try:
             _ownership.unclaim(self.location)
         except Exception as e:  # noqa: BLE001  (committed all the same)
@@ -118,8 +113,7 @@ class Staging:
             )
 
     def _remove_stale_siblings(self) -> None:
-        """After a commit: the staging (real directories only) of earlier saves of the same
-        name goes if they are dead, never one still running in another job."""
+        """After a commit: dead stagings of earlier saves of the same name go."""
         parent = self.final.parent
         prefixes = (f"{self.final.name}.partial-", f"{self.final.name}.deleting-")
         for name, kind in parent.child_kinds().items():
@@ -131,7 +125,6 @@ class Staging:
                 _removing.remove_leftover(parent.child(name), what="stale staging")
 
     def abort(self) -> None:
-        """Primary only: removes what this commit staged (renaming strategy)."""
         if self.renames:
             _removing.remove_staging(self.location, self.nonce)
 
@@ -149,14 +142,13 @@ def commit_collectively(
     structure: Callable[[], list[str]] | None = None,
     region: _distributed.Region | None,
 ) -> Written:
-    """Runs the protocol in the module docstring; returns what this process wrote.
+    """The protocol of the module docstring; returns what this process wrote.
 
-    ``write`` runs on every process; ``publish(files)`` on the primary, with every
-    process's files; ``abort()`` removes what was staged. ``agreed``: the options (JSON
-    by name) every process must have saved with; ``structure``: the tree's leaves in
-    words (computed only when the structures differ). Raises this process's own error,
-    CoordinationError when the processes disagree, CheckpointError when another failed.
-    """
+    ``write`` runs on every process, ``publish(files)`` on the primary with every
+    process's files, ``abort()`` removes what was staged; ``agreed``: the options every
+    process must have saved with; ``structure``: the leaves in words (only when the
+    structures differ). Raises this process's error, CoordinationError when the
+    processes disagree, CheckpointError when another failed."""
     error: BaseException | None = None
     written = Written()
     try:
@@ -167,7 +159,7 @@ def commit_collectively(
     mine = {"step": step, "digest": digest, "agreed": agreed or {}, "error": failed}
     status = json.dumps({**mine, "files": written.files})
     if _distributed.is_primary():
-        outcome = _primary_round(op, status, what, publish, abort, structure, region)
+        outcome = _primary_round(op, status, publish, abort, structure, region)
     else:
         outcome = _rounds.other_round(op, status, abort, structure, region)
     if error is not None:
@@ -182,9 +174,8 @@ def commit_collectively(
     return written
 
 
-def _primary_round(op, own_status, what, publish, abort, structure, region) -> str:
-    """The primary's side: reads every status, commits (``publish``) or discards, then
-    tells the outcome (a tree of another structure: after its own leaves)."""
+def _primary_round(op, own_status, publish, abort, structure, region) -> str:
+    """The primary reads every status, commits or discards, then tells the outcome."""
     try:
         statuses = [json.loads(own_status)]
         for p in range(1, _distributed.process_count()):
@@ -240,19 +231,79 @@ def save(
 ):
     """Saves ``tree`` to ``path``; durable and committed on return.
 
-    See ``fop.save_async`` (``_core.save_async``) for the arguments.
+    See :func:`save_async` for the arguments.
     """
     given = {k: v for k, v in locals().items() if k not in ("path", "tree", "region")}
     return start_save(path, tree, region, given).wait()
 
 
+@public("save", errors=refusals(arguments("path")))
+def save_async(
+    path: Any,
+    tree: Any,
+    *,
+    region: _distributed.Region | None,
+    force: bool = False,
+    memory_limit_bytes: int | None = None,
+    compression: str | None = None,
+    format_version: int | None = DEFAULT_FORMAT_VERSION,
+    data_file_bytes: int | None = None,
+    host_memory_budget: int | None = None,
+) -> SaveHandle:
+    """Starts saving ``tree`` to ``path``; returns once the tree is snapshotted to host.
+
+    Args:
+      path: a local directory, an ``s3://``/``gs://`` URL or a tensorstore kvstore spec.
+        It must not hold a committed checkpoint unless ``force``.
+      tree: dicts, lists, tuples, NamedTuples, registered dataclasses; leaves are
+        jax.Arrays (any sharding), numpy arrays, numpy or Python scalars, typed PRNG
+        key arrays, or None.
+      force: replace a committed checkpoint at ``path``.
+      memory_limit_bytes: bound on bytes handed to tensorstore and not yet written.
+      compression: None, or ``"zstd"`` / ``"zstd:<level 1-22>"``: every chunk is
+        compressed before its checksum (zarr3 ``zstd`` codec; recorded per array, so
+        restore needs no option).
+      format_version: 2 (default, also None: each process packs its chunks into a few
+        data files, see FORMAT.md) or 1 (one file per chunk; readable forever).
+      data_file_bytes: version 2: the size a data file does not pass unless one chunk
+        is larger (default 1 GiB on a filesystem, 256 MiB on an object store);
+        refused with version 1.
+      host_memory_budget: bytes of host memory the save may hold beyond the state
+        itself (None: no bound). Accelerator arrays are copied on their devices (one
+        more state of device memory until written) and to host in pieces as the
+        writes complete (the blocking phase enqueues the device copies only). CPU
+        arrays are written from their own memory before this returns (no copy at
+        all; the blocking phase is then the data write). Small leaves (batched) are
+        copied as usual. Both format versions stream; version 2 on an object store
+        gathers each data file in memory before its upload, made smaller under a
+        budget (docs/saving.md, section 3).
+
+    Returns:
+      A :class:`SaveHandle`; ``handle.wait()`` returns a :class:`SaveResult`.
+    """
+    given = {k: v for k, v in locals().items() if k not in ("path", "tree", "region")}
+    return start_save(path, tree, region, given)
+
+
+@public(errors=refusals(arguments("path")))
+def is_committed(path: Any) -> bool:
+    """True when ``path`` holds a committed standalone checkpoint. A store that
+    answers "not there" for a bucket it lacks (S3 reads a missing bucket's key as
+    missing) is listed before False is said: StoreAccessError for no such bucket."""
+    location = Location.from_path(path)
+    if location.exists(COMMIT_FILE):
+        return True
+    if not location.is_local:
+        location.is_dir()  # a listing: a missing bucket or a refusal raises here
+    return False
+
+
 def start_save(path, tree, region: _distributed.Region | None, given: dict) -> SaveHandle:
-    """``fop.save_async`` in ``region`` (drawn by the public function); ``fop.save`` waits
-    for it. Every option is checked before anything waits or is written."""
+    """``fop.save_async`` in ``region``, every option checked first; interrupted, the
+    save is cancelled (nothing staged is left)."""
     options = check_save(**given)
     force = options.pop("force")
     request = SaveRequest(region=region, **options)
-    # Interrupted (Ctrl-C), the save is cancelled: nothing staged is left.
     started: list[SaveHandle] = []
     try:
         return _start(path, tree, started, request, force=force)
@@ -265,8 +316,7 @@ def start_save(path, tree, region: _distributed.Region | None, given: dict) -> S
 def _start(
     path, tree, started: list[SaveHandle], request: SaveRequest, *, force: bool
 ) -> SaveHandle:
-    """The blocking phase of :func:`save_async`; appends the handle to ``started`` as
-    soon as its background phase runs."""
+    """The blocking phase; the handle goes to ``started`` once its background phase runs."""
     with _IN_FLIGHT_LOCK:
         _host.wait_for_pending_save()  # interruptible: nothing of this save exists yet
         # Ctrl-C held over the blocking phase (never raised inside a JAX or tensorstore
@@ -276,8 +326,8 @@ def _start(
             location = Location.from_path(path)
             cancelled = Cancellation()  # the writes stop once it is set
             snap = snapshot(tree, request.replace(cancelled=cancelled))
-            # Refuses a foreign or (without ``force``) committed target; on object stores
-            # what is ours there is cleared in the background phase.
+            # a foreign or (without force) committed target refused; cleared in the
+            # background phase on object stores
             region = request.region
             held = _ownership.prepare_slot(
                 location, what="a checkpoint", replace=force, clear=False, region=region
@@ -286,7 +336,6 @@ def _start(
             name = _distributed.unique_name(region=region)
             staging = Staging.begin(location, name, claim=False)
             job = _Background(
-                location=location,
                 snap=snap,
                 staging=staging,
                 op=_distributed.next_operation_id("save", region=region),
@@ -295,7 +344,6 @@ def _start(
                 force=force,
                 start=start,
                 blocking=time.perf_counter() - start,
-                cancelled=cancelled,
                 agreed={
                     "path": str(location),
                     "force": force,
@@ -314,11 +362,10 @@ def _start(
 
 @dataclasses.dataclass(frozen=True)
 class _Background:
-    """The background phase of one :func:`save_async` (clear on object stores, write,
-    commit collectively), on the handle's thread, in the save's ``region``."""
+    """The background phase of one save (clear on object stores, write, commit), on the
+    handle's thread, in the save's ``region``."""
 
-    location: Location
-    snap: Snapshot
+    snap: Snapshot  # its request's ``cancelled``: the handle's
     staging: Staging
     op: str
     region: _distributed.Region | None
@@ -326,11 +373,11 @@ class _Background:
     force: bool
     start: float
     blocking: float
-    cancelled: threading.Event
     agreed: dict[str, Any]  # what every process must save with (commit_collectively)
 
     def run(self) -> SaveResult:
-        location, staging = self.location, self.staging
+        staging, cancelled = self.staging, self.snap.request.cancelled
+        location = staging.final
         what = f"save to {location}"
         if self.clear_first:  # object store, no rename: start from an empty prefix
             if _distributed.is_primary():
@@ -338,15 +385,15 @@ class _Background:
             _distributed.barrier(f"{self.op}/cleared", region=self.region)
 
         def write() -> Written:
-            raise_if_cancelled(self.cancelled, what)
+            raise_if_cancelled(cancelled, what)
             _env.pause_point("before_claim")  # tests: two saves racing for one place
             staging.claim(fresh=not self.force)  # before any data: remains provably ours
             written = self.snap.write(staging.location)
-            raise_if_cancelled(self.cancelled, what)
+            raise_if_cancelled(cancelled, what)
             return written
 
         def publish(files: dict[str, str]) -> None:
-            raise_if_cancelled(self.cancelled, what)
+            raise_if_cancelled(cancelled, what)
             marker = CommitMarker(files, time.time()).to_bytes()
             staging.publish(COMMIT_FILE, marker, replace=self.force)
 
@@ -366,19 +413,18 @@ class _Background:
         return SaveResult(str(location), self.blocking, total, written.bytes_written)
 
     def abort(self) -> None:
-        """What the failed save wrote goes: its staging directory, or (in place on an
-        object store, on the primary) what its own pending marker still proves its."""
-        self.staging.abort()
-        if self.staging.renames or not _distributed.is_primary():
+        """The failed save's staging goes (in place, on the primary: under its own claim
+        only, never another writer's)."""
+        staging = self.staging
+        staging.abort()
+        if staging.renames or not _distributed.is_primary():
             return
-        # Only under this save's own claim: a claim refused leaves the other writer's be.
-        if _liveness.holds_nonce(self.location, self.staging.nonce):
-            _ownership.remove(self.location, action="remove the remains of the failed save at")
+        if _liveness.holds_nonce(staging.final, staging.nonce):
+            _ownership.remove(staging.final, action="remove the remains of the failed save at")
 
 
 def wait_for_data(snap: Snapshot | None, handle: SaveHandle) -> None:
-    """Blocks until the data of a save holding views of the state (a host memory
-    budget) is written or its background phase ended; returns at once for any other."""
+    """A save holding views of the state (a budget): waits until its data is written."""
     if snap is None or not snap.write_first:
         return
     while not snap.data_written.wait(0.05):
@@ -387,9 +433,7 @@ def wait_for_data(snap: Snapshot | None, handle: SaveHandle) -> None:
 
 
 def snapshot(tree: Any, request: SaveRequest) -> Snapshot:
-    """The blocking phase: plan ``tree``'s layout and copy this process's bytes to host,
-    as ``request`` (:class:`SaveRequest`) says: into ``request.buffers`` where given
-    (and no budget), else CPU arrays held as zero-copy views."""
+    """The blocking phase: ``tree``'s plan and this process's host copy."""
     with _tree.paused_gc():
         plan = Plan.build(tree, request)
     _env.pause_point("snapshot")

@@ -9,11 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from .._format import layout as _layout
 from .._format.layout import ArrayStorage
 from .._like.surgery_plan import Piece
 from .._zarr import subbyte as _subbyte
-from .reads import ReadInto, Target, make_target, read_slice
+from .reads import Target, make_target, read_slice
 
 
 def _box(region: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -87,13 +86,8 @@ class SavedReads:
             )
         lo, hi = self.spans[batch.name]
         if ("span", batch.name) not in self.stores:
-            store = self.stores[key]
-            dtype = np.dtype(_layout.dtype_from_name(batch.dtype))
-            self.stores["span", batch.name] = _Once(
-                ReadInto(store[lo:hi], dtype)
-                if store is not None
-                else read_slice(self.direct, batch, lo, hi - lo)
-            )
+            read = read_slice(self.stores[key], self.direct, batch, lo, hi - lo)
+            self.stores["span", batch.name] = _Once(read)
         return _Cut(self.stores["span", batch.name], lo, record, piece.box)
 
 
@@ -110,8 +104,7 @@ class _Once:
 
 
 def on_chunks(made: Any, boxes: list[tuple[tuple[int, int], ...]]) -> bool:
-    """Whether every saved region ``boxes`` need falls on whole chunks (then each box is
-    read alone; else their bounding box once)."""
+    """Whether every saved region ``boxes`` need falls on whole chunks (each box read alone)."""
     for box in boxes:
         pieces, _ = made.node.pieces(box)
         for p in pieces:

@@ -38,18 +38,6 @@ from .reads import make_target
 
 VERIFY: tuple[Option, ...] = (STEP_OR_NONE, Option("all_steps", "flag"), _formats.MEMORY_LIMIT)
 
-
-def check_verify(**options: Any) -> dict[str, Any]:
-    """``fop.verify``'s options, checked; ``step`` with ``all_steps`` refused."""
-    out = check(VERIFY, options)
-    if out["all_steps"] and out["step"] is not None:
-        raise OptionError(
-            f"step={out['step']} and all_steps=True conflict: all_steps verifies every "
-            "step, step= one of them; give one of the two"
-        )
-    return out
-
-
 VERIFY_BUDGET_BYTES = 16 << 20  # data read but not yet checked (plus one chunk or file)
 MIN_WINDOW_BYTES = 64 << 10  # under a ceiling: the window is never smaller
 
@@ -96,14 +84,20 @@ def verify(
     at most half of it each time one more is submitted, so never more than it.
     """
     given = {"step": step, "all_steps": all_steps, "memory_limit_bytes": memory_limit_bytes}
-    budget = window_bytes(check_verify(**given)["memory_limit_bytes"])  # OptionError naming one
+    options = check(VERIFY, given)  # OptionError naming one
+    if options["all_steps"] and options["step"] is not None:
+        raise OptionError(
+            f"step={options['step']} and all_steps=True conflict: all_steps verifies every "
+            "step, step= one of them; give one of the two"
+        )
+    budget = window_bytes(options["memory_limit_bytes"])
     if progress is not None and not callable(progress):
         raise OptionTypeError(f"progress: expected a function or None, found {progress!r:.60}")
     loc = Location.from_path(path)
     place = _steps.classify(loc)  # what is there, once: the dispatch below
     if place.kind == _steps.CHECKPOINT:
         _no_step_chosen(loc, "a core checkpoint", None, step)
-        return [_verify_pytree(loc, None, None, progress, budget=budget)]
+        return [_verify_pytree(loc, None, None, progress, budget)]
     if place.kind in (_steps.STEP_KIND, _steps.HOST_COPY):
         _no_step_chosen(loc, "one step", _step_number(loc), step)
         return verify_step(loc, _step_number(loc), progress=progress, budget=budget)
@@ -117,7 +111,7 @@ def verify(
         return [_verify_item(loc.parent, manifest, name, number, progress, copy, budget)]
     if place.staged == METADATA_FILE:  # a pytree never committed: its verdict says so
         _no_step_chosen(loc, "a pytree", _step_number(loc.parent), step)
-        return [_verify_pytree(loc, _step_number(loc.parent), loc.name, progress, budget=budget)]
+        return [_verify_pytree(loc, _step_number(loc.parent), loc.name, progress, budget)]
     if place.kind != _steps.RUN or not place.listing.committed:
         raise _describe.no_steps(place)  # says what is there instead
     committed = place.listing.committed
@@ -171,17 +165,8 @@ def verify_step(
     ]
 
 
-def _verify_item(
-    step_loc: Location,
-    manifest: StepManifest,
-    name: str,
-    step: int | None,
-    progress: Progress | None = None,
-    copy: _host_copy.HostCopy | None = None,
-    budget: int = VERIFY_BUDGET_BYTES,
-) -> VerifyResult:
-    """One item of a committed step: the files its kind needs, its JSON files against the
-    manifest's checksums, and a pytree's data."""
+def _verify_item(step_loc, manifest: StepManifest, name, step, progress, copy, budget: int):
+    """One item of a step: the files its kind needs, its JSON checksums, a pytree's data."""
     entry = manifest.items[name]
     item_loc = step_loc.child(entry.dir)
     note = None if copy is None else copy.note
@@ -190,18 +175,8 @@ def _verify_item(
     except CheckpointError as e:
         return VerifyResult(str(item_loc), step, name, False, str(e), note)
     if entry.kind == "pytree":
-        return _verify_pytree(item_loc, step, name, progress, copy, budget=budget)
+        return _verify_pytree(item_loc, step, name, progress, budget, copy)
     return VerifyResult(str(item_loc), step, name, True, None, note)
-
-
-def _required_files(kind: str, manifest: StepManifest) -> list[str]:
-    if kind == "pytree":
-        return [METADATA_FILE]
-    if kind in ("json", "step"):
-        return [JSON_VALUE_FILE]
-    if kind == "data_iterator":
-        return [iterator_state_file(p) for p in range(manifest.process_count)]
-    return []
 
 
 def _check_item_files(
@@ -210,7 +185,10 @@ def _check_item_files(
     elsewhere = set() if copy is None else copy.elsewhere(kind, manifest.process_count)
     prefix = f"{item_loc.name}/"
     listed = [f[len(prefix) :] for f in manifest.files if f.startswith(prefix)]
-    for needed in _required_files(kind, manifest):
+    required = {"pytree": [METADATA_FILE], "json": [JSON_VALUE_FILE], "step": [JSON_VALUE_FILE]}
+    if kind == "data_iterator":
+        required[kind] = [iterator_state_file(p) for p in range(manifest.process_count)]
+    for needed in required.get(kind, []):
         if needed not in listed:
             raise CheckpointError(
                 f"item {name!r} ({kind}): the step manifest lists no {needed}; expected one "
@@ -223,15 +201,7 @@ def _check_item_files(
             _layout.read_item_json(item_loc, file)
 
 
-def _verify_pytree(
-    loc: Location,
-    step: int | None,
-    item: str | None,
-    progress: Progress | None = None,
-    copy: _host_copy.HostCopy | None = None,
-    *,
-    budget: int = VERIFY_BUDGET_BYTES,
-) -> VerifyResult:
+def _verify_pytree(loc: Location, step, item, progress, budget: int, copy=None) -> VerifyResult:
     what = str(loc) if step is None else f"step {step}" + (f"/{item}" if item else "")
     held = None if copy is None or item is None else copy.item(item)
     note = None if copy is None else copy.note
@@ -370,16 +340,15 @@ def _check_batch(location, doc, batch, fmt, direct, window: _Window, budget: int
     except fmt.batch_damage as e:
         raise _restore.corrupt(paths, location, e) from None
     dtype = _layout.dtype_from_name(batch.dtype)
-    itemsize = dtype.itemsize
-    chunk = int(batch.chunk)
+    itemsize, chunk = dtype.itemsize, int(batch.chunk)
     files = -(-batch.size // chunk)
     per_group = max(1, budget // (chunk * itemsize))
-    inner = batch.inner
     for first in range(0, files, per_group):
         group = range(first, min(files, first + per_group))
         lo, hi = group.start * chunk, min(batch.size, group.stop * chunk)
         if direct is not None and batch.codec is None:
-            read = direct.read_batch(batch_dir(batch.name), batch.size, chunk, inner, dtype, group)
+            sub = batch_dir(batch.name)
+            read = direct.read_batch(sub, batch.size, chunk, batch.inner, dtype, group)
         else:
             read = _reads.ReadInto(store[lo:hi])
         inside = [

@@ -24,7 +24,6 @@ QUIET_SECONDS = 30.0  # a place without a marker, unchanged this long: no live w
 
 
 def nonce_of(raw: bytes | None) -> str | None:
-    """The nonce a pending marker carries (its writer's save), or None."""
     nonce = json.loads(raw).get("nonce") if _handle.is_marker(raw) else None
     return nonce if isinstance(nonce, str) else None
 
@@ -77,7 +76,7 @@ def refuse_if_held(loc: Location, *, replace: bool) -> None:
         )
 
 
-def _words(raw: bytes | None) -> str:
+def _words(raw: bytes | None) -> str:  # the marker's writer in words
     writer = writer_of(raw)
     return "another writer" if writer is None else f"pid {writer[1]} on {writer[0]}"
 
@@ -105,8 +104,7 @@ def writer_of(raw: bytes | None) -> tuple[str, int] | None:
 
 
 def _other_writer(loc: Location) -> tuple[tuple[str, int], bool] | None:
-    """The writer ``loc``'s marker names when another process of this host, and whether it
-    is alive; None where not certain (another host, this process, no writer named)."""
+    """(another process of this host that ``loc``'s marker names, alive), else None."""
     try:
         writer = writer_of(_handle.read(loc))
     except CheckpointError:
@@ -116,15 +114,13 @@ def _other_writer(loc: Location) -> tuple[tuple[str, int], bool] | None:
 
 
 def writer_gone(loc: Location) -> bool:
-    """True when ``loc``'s pending marker names a process of this host that is gone (a
-    killed save or removal); False whenever that is not certain."""
+    """``loc``'s marker names a process of this host that is gone (False if not certain)."""
     found = _other_writer(loc)
     return found is not None and not found[1]
 
 
 def writer_alive(loc: Location) -> str | None:
-    """``"pid N on host"`` when ``loc``'s marker names another live process of this host
-    (a save still running, which nobody else may remove); None otherwise."""
+    """``"pid N on host"`` when ``loc``'s marker names another live process of this host."""
     found = _other_writer(loc)
     if found is None or not found[1]:
         return None
@@ -157,8 +153,7 @@ STALE_SECONDS = 3600.0  # a staging directory untouched this long belongs to a d
 
 
 def is_dead(staging: Location) -> bool:
-    """Staging of a save that no longer runs: :func:`writer_gone`, :func:`abandoned`, or
-    untouched for ``STALE_SECONDS`` (a writer on another host)."""
+    """:func:`writer_gone`, :func:`abandoned`, or untouched for ``STALE_SECONDS``."""
     if writer_gone(staging) or abandoned(staging):
         return True
     return time.time() - staging.newest_mtime() > STALE_SECONDS
