@@ -1,8 +1,6 @@
 """Steps of a checkpoint directory and their manifests, what a place holds (``classify``)
-and the front of the checked reads of ``_METADATA.json`` (``read_document``). The other
-readers' and writers' words for a wrong place: ``describe``.
-
-Reads names and small files only, never following a link; safe from any thread.
+and the checked reads of ``_METADATA.json`` (``read_document``). Reads names and small
+files only, never following a link; any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.steps``.
 """
@@ -53,10 +51,9 @@ TMP_RE = re.compile(rf"^{STEP_NAME}\.(partial|deleting)-[0-9a-z]{{1,32}}$", re.A
 # The staging of a core save (``fop.save(<dir>/<name>)``), beside its target: not a step.
 SAVE_STAGING_RE = re.compile(r"^[^/]+\.(partial|deleting)-[0-9a-z]{1,32}$", re.ASCII)
 CORRUPT_RE = re.compile(rf"^{STEP_NAME}\.corrupt-[0-9a-z]{{1,32}}$", re.ASCII)
-LOCK_NAME = ".writer.lock"
-# Records of ours at the top of a directory (run owner, damaged persistent copies): never
-# steps, never foreign (named here: their writers sit above this module).
-RECORD_NAMES = frozenset({LOCK_NAME, "_RUN.json", "_DAMAGED.json"})
+# Records of ours at the top of a directory (writer lock, run owner, damaged persistent
+# copies): never steps, never foreign (named here: their writers sit above this module).
+RECORD_NAMES = frozenset({".writer.lock", "_RUN.json", "_DAMAGED.json"})
 
 
 def is_step_name(name: str) -> bool:
@@ -133,8 +130,7 @@ def committed_steps(loc: Location, listing: Listing | None = None) -> list[int]:
 
 
 def environmental(error: BaseException) -> bool:
-    """Whether ``error`` is the environment's (an OSError that is no error of this
-    library): it proves no damage, so the step it kept shut is skipped, never set aside."""
+    """Whether ``error`` is the environment's (an OSError not ours): it proves no damage."""
     return isinstance(error, OSError) and not isinstance(error, CheckpointError)
 
 
@@ -181,7 +177,7 @@ def choose_step(loc: Location, steps: list[int] | tuple[int, ...], step: int | N
         raise CheckpointNotFoundError(f"no committed steps in {loc}{foreign_format_hint(loc)}")
     if step is None:
         return steps[-1]
-    step = checked_step(step)
+    step = STEP.check(step)
     if step not in steps:
         raise CheckpointNotFoundError(f"step {step} does not exist in {loc}; steps: {list(steps)}")
     return step
@@ -240,9 +236,7 @@ def step_item(location: Location) -> StepItem | None:
 
 MAX_PROBED = 16  # children looked into for a run or checkpoint one level down
 PATHS_NAMED = 4  # items of a step named when pointing at them
-# What a save of ours leaves before it commits: the pending marker (named by
-# ``_core.ownership``, a wing above) and a pytree's metadata (object stores).
-_STAGING_FILES = (METADATA_FILE, "_PENDING.json")
+_STAGING_FILES = (METADATA_FILE, PENDING_FILE)  # what a save of ours leaves before its commit
 
 
 # The kinds of a Place: what a path holds.
@@ -297,11 +291,10 @@ class Place:
 
 
 def classify(location: Location, *, steps_first: bool = False) -> Place:
-    """What is at ``location``, by names and small files, in this order: ours, a step, an
-    item, Orbax, a run, an unfinished save, msgpack, nothing. ``steps_first``: a reader of
-    a run directory lists it first (its errors propagate), so a run with committed steps
-    costs one listing. A damaged manifest of the step holding ``location`` raises
-    CorruptCheckpointError."""
+    """What is at ``location``, probed in this order: ours, a step, an item, Orbax, a run,
+    an unfinished save, msgpack, nothing. ``steps_first``: list first (errors propagate),
+    so a run with committed steps costs one listing. A damaged manifest of the step
+    holding ``location`` raises CorruptCheckpointError."""
     listing = list_directory(location) if steps_first else None
     if listing is not None and listing.committed:
         return Place(location, RUN, listing=listing)
