@@ -34,7 +34,6 @@ from .._format.layout import ArrayStorage, BatchRecord, BatchStorage, array_dir,
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunks as _chunks
-from .._zarr import crcs as _crcs
 from .._zarr import packed_codec as _codec
 from .._zarr import packed_writer as _packed_writer
 from .._zarr import subbyte as _subbyte
@@ -195,7 +194,7 @@ def _take_small(owned: list, batches: dict, writers: dict, me: int, pool, keep) 
 # Each chunk checksummed as it is copied into the pool, where the C kernel is built
 # (benchmarks/results/onepass_kernel.json: a save's CPU 0.376 -> 0.263 s per 1.2 GB);
 # in Python the one pass would lengthen the blocking phase (0.132 -> 0.213 s).
-ONE_PASS = _crcs.has_kernel()
+ONE_PASS = _chunks.has_kernel()
 
 
 def _summed(leaf):
@@ -315,7 +314,7 @@ def _pooled(pool: BufferPool, host: np.ndarray, rows, later: list, summed) -> np
     for piece in pieces(rows, shape[0], chunk[0], row_bytes, _host.COPY_PIECE):
         at = slice((piece[0].start or 0) - start, (piece[0].stop or shape[0]) - start)
         copier = functools.partial(
-            _crcs.copy_with_crcs, shape=shape, chunk=chunk, index=piece, out=crcs
+            _chunks.copy_with_crcs, shape=shape, chunk=chunk, index=piece, out=crcs
         )
         later.append((out[at], host[at], copier))
     return out

@@ -30,7 +30,7 @@ from .._format.layout import (
 from .._format.steps import STEP_OR_NONE, read_document
 from .._storage.location import Location
 from .._storage.store_errors import arguments, refusals
-from .._zarr import regions as _zarr_regions
+from .._zarr import chunks as _chunks
 from . import formats as _formats
 from . import reads as _reads
 from . import restore as _restore
@@ -301,8 +301,8 @@ def _check_data(location, doc, targets, fmt, direct, window: _Window, budget, he
             itemsize = target.dtype.itemsize
             chunk = record.storage.chunk_shape
             for span in spans or [None]:
-                for region in _zarr_regions.within(record.shape, span, chunk, itemsize, budget):
-                    nbytes = _zarr_regions.nbytes(region, record.shape, itemsize)
+                for region in _chunks.within(record.shape, span, chunk, itemsize, budget):
+                    nbytes = _chunks.nbytes(region, record.shape, itemsize)
                     read = _restore.read_region(fmt, store, target, direct, region)
                     window.submit(read, nbytes, [record.path])
         for name, batch in doc.batches.items():

@@ -14,7 +14,6 @@ import numpy as np
 
 from .._format.layout import LeafRecord, dtype_from_name
 from .._zarr import chunks as _chunks
-from .._zarr import crcs as _crcs
 
 CRC_BYTES = _chunks.CRC_BYTES
 _READ_BLOCK = 8 << 20  # a linked file is read in blocks: a chunk may be large
@@ -57,7 +56,7 @@ def snapshot_crcs(
         if not data.size:
             continue
         try:
-            crcs = _crcs.chunk_crcs(shape, chunk, region, data)
+            crcs = _chunks.chunk_crcs(shape, chunk, region, data)
         except (ValueError, TypeError) as e:  # a region this function cannot encode
             raise Refused(f"the snapshot's crc32c per chunk: {type(e).__name__}: {e}") from e
         for cell, crc in (crcs or {}).items():
@@ -88,7 +87,7 @@ def check_linked(dfd: int, name: str, shown: str, size: int, segments: list, dif
                 block = os.pread(fd, min(_READ_BLOCK, stop - at), at)
                 if not block:
                     break
-                crc = _crcs.extend_crc(crc, block)
+                crc = _chunks.extend_crc(crc, block)
                 at += len(block)
             if at != stop or crc != _chunks.CRC32C_RESIDUE:
                 raise Refused(f"{where}: its crc32c does not match its bytes (damaged or changed)")
