@@ -21,10 +21,10 @@ from ..._base.key_paths import path_string
 from ..._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
 from ..._storage import local_files as _local_files
 from ..._storage.location import Location
-from .dtypes import DTYPES, SUPPORTED_DTYPES, dtype_from_name, packable, packed_bytes
 from .records import (
     _CODEC,
     COMMIT_FILE,
+    DTYPES,
     FORMAT_NAME,
     KEY_KINDS,
     LANES,
@@ -42,6 +42,7 @@ from .records import (
     SCALAR_KINDS,
     STEP_FORMAT,
     STEP_VERSION,
+    SUPPORTED_DTYPES,
     TEXT_KINDS,
     ArrayStorage,
     BatchRecord,
@@ -53,12 +54,15 @@ from .records import (
     StepManifest,
     batch_name,
     check_format_version,
+    dtype_from_name,
     fail,
     files_field,
     int_field,
     is_int,
     is_safe_name,
     need,
+    packable,
+    packed_bytes,
     parse_sealed,
     sha256,
     time_field,
