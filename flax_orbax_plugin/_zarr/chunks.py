@@ -51,9 +51,9 @@ def chunk_key(cell) -> str:
 
 
 def whole_chunks(shape, chunk, index):
-    """For the global region ``index`` of an array of ``shape``: (the region's shape,
-    [(chunk grid cell, its part of the region, relative), ...]); None when the region is
-    empty or not whole chunks (one cut by the array's end counts as whole)."""
+    """For the global region ``index`` of an array of ``shape``: (its shape, [(chunk grid
+    cell, its part of the region), ...]); None when it is empty or not whole chunks (one
+    cut by the array's end counts as whole)."""
     if not shape:
         return None
     starts, stops = [], []
@@ -74,9 +74,8 @@ def whole_chunks(shape, chunk, index):
 
 
 def covering(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, budget: int):
-    """Regions (tuples of slices) of whole chunks covering an array, each at most ``budget``
-    bytes where one chunk is not larger: slabs along the first axis where they fit, else
-    along the next within one chunk of the first, and so on. A generator."""
+    """Regions (tuples of slices; None: all) of whole chunks covering an array, each at most
+    ``budget`` bytes unless one chunk is larger: slabs along the first axis that fits."""
     if not shape or math.prod(shape) * itemsize <= budget:
         yield None
         return
@@ -126,8 +125,8 @@ def crc_trailer(parts: list[np.ndarray]) -> np.ndarray:
 
 
 def chunk_payload(view: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray:
-    """The stored bytes of one chunk (before its crc32c) from ``view``, its part of the
-    array, zero-padded to the full ``chunk`` where the array's end cuts it."""
+    """The stored bytes of one chunk (before its crc32c) from ``view``, zero-padded to the
+    full ``chunk``."""
     if view.shape != chunk:
         full = np.zeros(chunk, view.dtype)
         full[tuple(slice(0, n) for n in view.shape)] = view
@@ -138,8 +137,7 @@ def chunk_payload(view: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray:
 
 
 def as_bytes(array: np.ndarray) -> np.ndarray:
-    """The bytes of a C-contiguous array as a flat, read-only uint8 view (read-only:
-    what google_crc32c takes)."""
+    """A C-contiguous array's bytes as a flat read-only uint8 view (google_crc32c's)."""
     out = array.reshape(-1).view(np.uint8)
     out.flags.writeable = False
     return out
@@ -163,18 +161,16 @@ except ImportError:  # not built (no compiler): np.copyto, then the crc32c of ``
 
 
 def extend_crc(crc: int, data) -> int:
-    """crc32c of the bytes so far (``crc``) followed by ``data`` (any C-contiguous
-    buffer: bytes, memoryview, a numpy array of any dtype)."""
+    """crc32c of the bytes so far (``crc``) followed by ``data`` (any C-contiguous buffer)."""
     return _crc32c(data, crc)
 
 
 def chunk_crcs(
     shape: tuple[int, ...], chunk: tuple[int, ...], index: tuple[slice, ...], data: np.ndarray
 ) -> dict[tuple[int, ...], int] | None:
-    """``{chunk grid cell: crc32c}`` of every chunk of the region ``index`` (global) of an
-    array of ``shape`` holding ``data``: the trailer each chunk file stores (little
-    endian, edge chunks zero-padded). None when the region is not whole chunks. A 0-d
-    array is one chunk, cell ``()``."""
+    """``{chunk grid cell: crc32c}``: the trailer each chunk of the region ``index`` (global)
+    of an array of ``shape`` holding ``data`` stores (little endian, edge chunks padded);
+    None when it is not whole chunks. A 0-d array is one chunk, cell ``()``."""
     if data.dtype.byteorder == ">":  # the stored encoding is little endian
         data = data.astype(data.dtype.newbyteorder("<"))
     if not shape:
@@ -230,11 +226,10 @@ def copy_with_crcs(
     out: dict,
     kernel: bool | None = None,
 ) -> None:
-    """``np.copyto(dst, src)`` for the region ``index`` (global) of an array of ``shape``
-    chunked by ``chunk``, putting each chunk's crc32c (as :func:`chunk_crcs`) in ``out``
-    where the region is whole chunks. A chunk of whole rows is copied and checksummed
-    in one pass by :func:`copy_crc` (``kernel``: which way), others copied then
-    checksummed. Nothing is put for a 0-d or big-endian array: the writer computes those."""
+    """``np.copyto(dst, src)`` for the region ``index`` (global) of an array of ``shape``,
+    putting each chunk's crc32c (as :func:`chunk_crcs`) in ``out`` where it is whole
+    chunks: a chunk of whole rows in one pass (:func:`copy_crc`, ``kernel``: which way),
+    others copied then checksummed. Nothing for a 0-d or big-endian array."""
     region = None if dst.dtype.byteorder == ">" else whole_chunks(shape, chunk, index)
     if region is None or dst.shape != region[0] or src.shape != dst.shape:
         np.copyto(dst, src)
@@ -289,8 +284,8 @@ class Segment:
 
 @dataclasses.dataclass(frozen=True)
 class DataIndex:
-    """The index of one process: its data files (name -> bytes), chunks, and the stored
-    dtype of every array it holds chunks of (empty in an index older than that)."""
+    """One process's index: data files (name -> bytes), chunks, and the stored dtype of
+    each array it holds chunks of (empty in an older index)."""
 
     process: int
     files: dict[str, int]

@@ -52,9 +52,8 @@ _sync_file_range = _load_sync_file_range()
 
 def direct_span(first: np.ndarray, minimum: int = DIRECT_ALIGN) -> tuple[int, int]:
     """(skip, length): ``length`` bytes of whole pages of ``first`` from its first page
-    boundary, ``skip`` bytes in (0, 0: not C-contiguous, or fewer than ``minimum``).
-    Written at a file offset congruent to its address, they are page-aligned in memory
-    and file alike: an ``O_DIRECT`` write of a jax buffer's view, head and tail buffered."""
+    boundary, ``skip`` bytes in (0, 0: not C-contiguous, or fewer than ``minimum``): at a
+    file offset congruent to its address, an ``O_DIRECT`` write (head and tail buffered)."""
     if not first.flags.c_contiguous:
         return 0, 0
     skip = -first.ctypes.data % DIRECT_ALIGN
@@ -99,10 +98,9 @@ class ChunkWriter:
         data: np.ndarray,
         crcs: dict | None = None,
     ) -> list[concurrent.futures.Future] | None:
-        """Starts writing every chunk of the global region ``index`` of the array ``sub``
-        from ``data``; None, writing nothing, when the region is not whole chunks (those
-        cut by the array's end are zero-padded). ``crcs``: ``{chunk grid cell: crc32c}``
-        of chunks checksummed already; the others are checksummed here."""
+        """Starts writing every chunk of the global region ``index`` of array ``sub`` from
+        ``data`` (edge chunks zero-padded); None, writing nothing, when it is not whole
+        chunks. ``crcs``: ``{chunk grid cell: crc32c}`` of chunks checksummed already."""
         region = _chunks.whole_chunks(shape, chunk, index)
         if region is None or data.shape != region[0]:
             return None
@@ -127,9 +125,8 @@ class ChunkWriter:
     def batch(
         self, sub: str, chunk: int, inner: int, data: np.ndarray | Gathered
     ) -> list[concurrent.futures.Future]:
-        """Starts writing the whole 1-D batch array ``sub`` from ``data`` (or its
-        :class:`Gathered` pieces): a zarr3 shard per ``chunk`` elements of checksummed
-        ``inner``-element chunks and its checksummed index."""
+        """Starts writing the whole 1-D batch array ``sub`` from ``data`` (or its pieces): a
+        zarr3 shard per ``chunk`` elements of checksummed ``inner``-element chunks."""
         if isinstance(data, np.ndarray):
             data = Gathered([(0, data)], data.dtype, data.size)
         size, itemsize = data.size, data.dtype.itemsize
@@ -174,9 +171,8 @@ def _zeros(nbytes: int) -> np.ndarray:
 
 
 class Gathered:
-    """A 1-D array's bytes as non-overlapping pieces ``(byte offset, C-contiguous array)``
-    with zeros between (a batch written straight from its leaves' snapshot buffers);
-    ``dtype`` and ``size`` (elements): the array's."""
+    """A 1-D array (``dtype``, ``size`` elements) as non-overlapping pieces ``(byte offset,
+    C-contiguous array)`` with zeros between: a batch straight from its leaves' buffers."""
 
     def __init__(self, pieces: list[tuple[int, np.ndarray]], dtype, size: int):
         ordered = sorted(((int(o), _chunks.as_bytes(a)) for o, a in pieces), key=lambda p: p[0])
@@ -187,8 +183,8 @@ class Gathered:
         self.nbytes = self.size * self.dtype.itemsize
 
     def segments(self, start: int, stop: int, size: int) -> list[np.ndarray]:
-        """Read-only uint8 arrays that together are bytes ``[start, stop)`` (zeros where
-        no piece is, and past ``size``)."""
+        """Read-only uint8 arrays that are bytes ``[start, stop)`` (zeros between and past
+        ``size``)."""
         out: list[np.ndarray] = []
         at = start
         i = max(0, bisect.bisect_right(self._offsets, start) - 1)
@@ -226,8 +222,7 @@ class Gathered:
 
 
 class ChunkFileWriter(ChunkWriter):
-    """Writes whole zarr3 chunks of arrays under ``root`` (a local directory path), each
-    chunk (or batch shard) a file of its own."""
+    """Version 1: each chunk (or batch shard) a file of its own under the local ``root``."""
 
     def _write_file(self, name: str, pieces: list[np.ndarray]) -> None:
         path = os.path.join(self._root, check_name(name))
@@ -251,9 +246,9 @@ class ChunkFileWriter(ChunkWriter):
             os.close(fd)
 
     def _write_direct(self, fd: int, first: np.ndarray) -> int:
-        """Writes the page-aligned head of ``first`` with ``O_DIRECT`` (no copy into the
-        page cache: a tenth of a buffered write's system time); returns the bytes written,
-        the file left buffered for the rest. A filesystem refusing it turns it off here."""
+        """Writes the page-aligned head of ``first`` with ``O_DIRECT`` (no page cache copy: a
+        tenth of a buffered write's system time); returns the bytes written. A filesystem
+        refusing it turns it off."""
         skip, head = direct_span(first)  # its whole pages, when it starts on a page
         if skip or not head:
             return 0
@@ -282,9 +277,7 @@ MAX_LANES = 4  # object stores: data files filled (and uploaded) at once
 LANE_BYTES = 64 << 20  # object stores: one more lane per this many bytes to write
 
 
-# A segment starting past a page boundary is written directly only from this size (its
-# file offset skips up to a page to match its address: at most 0.4% more file).
-_UNALIGNED_DIRECT_MIN = 1 << 20
+_UNALIGNED_DIRECT_MIN = 1 << 20  # a segment off a page goes direct from here (<0.4% padding)
 
 
 class PackedWriter(ChunkWriter):
@@ -323,8 +316,8 @@ class PackedWriter(ChunkWriter):
         self._chunks: dict[str, _chunks.Segment] = {}
 
     def adopt(self, files: dict[str, int], chunks: dict[str, _chunks.Segment]) -> None:
-        """Lists data files already in place (taken from the previous step: name -> size)
-        and their segments, before any write; new chunks go to files after them."""
+        """Lists data files taken from the previous step (name -> size) and their segments,
+        before any write; new chunks go to files after them."""
         with self._lock:
             if self._files:
                 raise ValueError("adopt() comes before the first chunk")
@@ -332,8 +325,8 @@ class PackedWriter(ChunkWriter):
             self._chunks.update(chunks)
 
     def encoded(self, sub: str, spec: dict[str, Any], writes: list) -> concurrent.futures.Future:
-        """Starts writing the chunks of ``writes`` (regions of whole chunks of ``sub`` and
-        their values) compressed as ``spec`` says: one segment per chunk."""
+        """Starts writing ``writes`` (regions of whole chunks of ``sub``, values) compressed
+        as ``spec`` says: one segment per chunk."""
         if self._encoder is None:  # the process's priority: the codecs start threads
             self._encoder = concurrent.futures.ThreadPoolExecutor(
                 _chunks.THREADS, thread_name_prefix="fop-encode"
@@ -348,7 +341,6 @@ class PackedWriter(ChunkWriter):
             self._write_file(f"{sub}/{key}", [raw[: -_chunks.CRC_BYTES], raw[-_chunks.CRC_BYTES :]])
 
     def _write_file(self, name: str, pieces: list[np.ndarray]) -> None:
-        """Called by the writer's threads for one chunk (``name``: its version-1 key)."""
         check_name(name)
         pieces = [p for p in pieces if p.size]
         length = sum(p.size for p in pieces)
@@ -391,8 +383,8 @@ class PackedWriter(ChunkWriter):
         return name
 
     def _allocate_local(self, length: int, phase: int | None = None) -> tuple[str, int, int]:
-        """(file, offset, its fd) for a segment of ``length`` bytes; ``phase``: at an offset
-        congruent to it modulo a page (the bytes skipped mean nothing, FORMAT.md)."""
+        """(file, offset, fd) for ``length`` bytes; ``phase``: an offset congruent to it
+        modulo a page (the bytes skipped mean nothing, FORMAT.md)."""
         with self._lock:
             name = self._current
             if name is None or (self._files[name] and self._files[name] + length > self._target):
@@ -409,7 +401,7 @@ class PackedWriter(ChunkWriter):
 
     def _write_direct_at(self, file: str, view: memoryview, offset: int) -> bool:
         """Writes the page-aligned ``view`` at ``offset`` of ``file`` through a second,
-        ``O_DIRECT`` descriptor; False (and direct I/O off) where the filesystem refuses."""
+        ``O_DIRECT`` fd; False (direct I/O off) where the filesystem refuses."""
         try:
             with self._lock:
                 fd = self._direct_fds.get(file)
@@ -426,8 +418,8 @@ class PackedWriter(ChunkWriter):
             return False
 
     def _append(self, array: str, pieces, length: int):
-        """Object stores: adds the segment's pieces (views, joined once at upload) to its
-        lane's file; returns (file, offset, the finished file's (name, pieces) or None)."""
+        """Object stores: adds the pieces (joined at upload) to the array's lane's file;
+        returns (file, offset, the finished file's (name, pieces) or None)."""
         full = None
         with self._lock:
             # an array's chunks go to one lane: side by side, read back by few GETs
@@ -450,8 +442,8 @@ class PackedWriter(ChunkWriter):
         self._location.write_bytes(f"{_chunks.DATA_DIR}/{name}", data)
 
     def close(self) -> None:
-        """Waits for every chunk, writes the last object (object stores) and closes the
-        data files (local; made durable by the save's sync)."""
+        """Waits for every chunk, uploads the last objects or closes the local files (made
+        durable by the save's sync)."""
         try:
             if self._encoder is not None:
                 self._encoder.shutdown(wait=True)
@@ -468,8 +460,8 @@ class PackedWriter(ChunkWriter):
             self._fds, self._direct_fds = {}, {}
 
     def index(self, dtypes: dict[str, str] | None = None) -> _chunks.DataIndex:
-        """The index of everything written (after :meth:`close`), with the stored dtype
-        (``dtypes``) of each array with chunks here."""
+        """The index of everything written (after :meth:`close`), with the ``dtypes`` of
+        the arrays that have chunks here."""
         chunks = dict(self._chunks)
         held = {_chunks.array_prefix(key) for key in chunks}
         arrays = {k: v for k, v in (dtypes or {}).items() if k in held}
