@@ -1,6 +1,5 @@
 """A reused leaf's chunk files: names, size, and the crc32c the snapshot's bytes give
-each. Pure functions; a chunk failing a check is :class:`Refused` (the leaf is written).
-"""
+each. Pure functions; a chunk failing a check is :class:`Refused` (the leaf is written)."""
 
 from __future__ import annotations
 
@@ -72,10 +71,10 @@ def snapshot_crcs(
 
 
 def check_linked(dfd: int, name: str, shown: str, size: int, segments: list, differs) -> None:
-    """The file just linked as ``name`` in ``dfd`` (``shown``: its source; its inode can no
-    longer be swapped under the name we own): a regular file of ``size`` bytes in which
-    each ``(where, offset, length, crc)`` segment's crc32c trailer matches its bytes and
-    equals ``crc`` (else :class:`Refused`, ``differs(where, stored, crc)`` its words)."""
+    """Checks the file just linked as ``name`` in ``dfd`` (``shown``: its source; its inode
+    can no longer be swapped under our name): a regular file of ``size`` bytes in which
+    each ``(where, offset, length, crc)`` segment's trailer matches its bytes and equals
+    ``crc`` (else :class:`Refused`, ``differs(where, stored, crc)`` its words)."""
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
     try:
         st = os.fstat(fd)

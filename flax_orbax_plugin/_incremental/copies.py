@@ -1,6 +1,4 @@
-"""Reuse on an object store: server-side copies of the previous step's chunk objects.
-
-:func:`copy_leaf` copies this process's chunks of an unchanged leaf on the server, each
+"""Reuse on an object store: server-side copies of the previous step's chunk objects, each
 checked before and after; any failure deletes its copies and the leaf is written (never
 failing the save). A save's background thread, every process. ``docs/incremental.md``.
 """
@@ -43,8 +41,8 @@ def copy_leaf(
     nbytes: int | None = None,
 ) -> int | None:
     """Copies ``chunks`` (None: all) of leaf ``j`` of ``source`` to leaf ``i`` of ``target``
-    on the server and checks them (:class:`_LeafCopy`); returns the bytes reused
-    (``nbytes``, or the leaf's), or None after deleting whatever it copied."""
+    on the server, checked (:class:`_LeafCopy`); returns the bytes reused (``nbytes``, or
+    the leaf's), or None after deleting whatever it copied."""
     size = chunk_file_bytes(record)
     if source.spec | {"path": ""} != target.spec | {"path": ""}:
         return None
@@ -79,15 +77,12 @@ def copy_leaf(
 
 @dataclasses.dataclass(frozen=True)
 class _LeafCopy:
-    """The copies of one leaf's chunks (``size`` bytes each), made and checked in order:
-    :meth:`check_listing`, :meth:`copy_all`, :meth:`check_copies`.
-
-    Checked: the previous step lists exactly the leaf's chunks, each of a chunk's size;
-    each copy is pinned to the object listed (S3 ``If-Match``, GCS generation); each
-    source's crc32c trailer equals the snapshot's bytes' (a chunk resealed is refused);
-    each copy's answer and listing carry the source's size and tag (:func:`_same_copy`).
-    A chunk damaged under its old trailer is copied as is: restore and ``verify`` report
-    it in both steps."""
+    """The copies of one leaf's chunks (``size`` bytes each), made and checked in order
+    (:meth:`check_listing`, :meth:`copy_all`, :meth:`check_copies`): the previous step
+    lists exactly the leaf's chunks; each copy is pinned to the object listed (S3
+    ``If-Match``, GCS generation); each source's crc32c trailer is the snapshot's; each
+    copy's answer and listing carry the source's size and tag (:func:`_same_copy`). A
+    chunk damaged under its old trailer is copied as is: restore and ``verify`` say so."""
 
     copier: _server_copy.Copier
     source: Location
@@ -107,7 +102,7 @@ class _LeafCopy:
     def check_listing(
         self, wanted: list[str], every: set[str]
     ) -> dict[str, _server_copy.ObjectInfo]:
-        """``{chunk name: listed object}``: every chunk ``wanted``, of a chunk's size, no other."""
+        """``{chunk name: listed object}``: every chunk ``wanted``, a chunk's size, no other."""
         source, j, size, src_prefix = self.source, self.j, self.size, self.src_prefix
         listed = {k[len(src_prefix) :]: v for k, v in self.copier.list(src_prefix).items()}
         for name in wanted:
@@ -173,8 +168,8 @@ def _same_copy(
     answer: _server_copy.ObjectInfo,
     listed: _server_copy.ObjectInfo | None,
 ) -> bool:
-    """The copy's answer has the source's size (and content tag); the new key's listing
-    has that size and the answer's tag."""
+    """The copy's answer has the source's size (and content tag), the new key's listing
+    that size and the answer's tag."""
     if listed is None or answer.size != source.size or listed.size != source.size:
         return False
     if source.content_tag and answer.content_tag and source.tag and answer.tag:

@@ -1,8 +1,6 @@
-"""Reuse on a local filesystem: hard links to the previous step's chunk files.
-
-:func:`link_leaf` hard-links this process's chunk files of an unchanged leaf (no symlink
-followed), then checks each; any failure removes what it linked and the leaf is
-written. A save's background thread, every process. ``docs/incremental.md``.
+"""Reuse on a local filesystem: hard links to the previous step's chunk files (no symlink
+followed), each checked; any failure removes what was linked and the leaf is written.
+A save's background thread, every process. ``docs/incremental.md``.
 """
 
 from __future__ import annotations
@@ -50,10 +48,11 @@ def link_leaf(
         expected = snapshot_crcs(record, writes, names)
         if names:  # another process may not have created the staging item yet
             os.makedirs(links.dst_root, exist_ok=True)
-        for parts in names:
-            shown = f"{source}/{array_dir(j)}/{'/'.join(parts)}"
-            dfd, name = links.link(parts, j, i, shown)
-            segment = (shown, 0, size, expected[parts])
+        for *dirs, name in names:
+            shown = f"{source}/{array_dir(j)}/{'/'.join((*dirs, name))}"
+            src, dst = (*array_dir(j).split("/"), *dirs), (*array_dir(i).split("/"), *dirs)
+            dfd = links.link(src, name, dst, name, shown)
+            segment = (shown, 0, size, expected[(*dirs, name)])
             check_linked(dfd, name, shown, size, [segment], not_the_snapshot)
         return record.nbytes if nbytes is None else nbytes
     except (Refused, OSError, CheckpointError) as e:
@@ -86,17 +85,17 @@ class _Links:
             self.fds[key] = _open_dirs(root, list(parts), create=create)
         return self.fds[key]
 
-    def link(self, parts: tuple[str, ...], j: int, i: int, shown: str) -> tuple[int, str]:
-        """Links chunk ``parts`` of leaf ``j`` (a regular file) as leaf ``i``'s: (dir fd, name)."""
-        *dirs, name = parts
-        sfd = self._dir_fd(self.src_root, (*array_dir(j).split("/"), *dirs), False)
-        dfd = self._dir_fd(self.dst_root, (*array_dir(i).split("/"), *dirs), True)
-        st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
+    def link(self, src: tuple[str, ...], old: str, dst: tuple[str, ...], new: str, shown: str):
+        """Links the regular file ``src/old`` (folders under the source root) as ``dst/new``
+        (created under the target root); returns the fd of ``dst``."""
+        sfd = self._dir_fd(self.src_root, src, False)
+        dfd = self._dir_fd(self.dst_root, dst, True)
+        st = os.stat(old, dir_fd=sfd, follow_symlinks=False)
         if not stat.S_ISREG(st.st_mode):
             raise Refused(f"{shown}: expected a regular file, found mode {st.st_mode:o}")
-        os.link(name, name, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
-        self.linked.append((dfd, name, shown))
-        return dfd, name
+        os.link(old, new, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
+        self.linked.append((dfd, new, shown))
+        return dfd
 
     def undo(self) -> None:
         """Unlinks every name this call linked (errors ignored)."""

@@ -1,5 +1,4 @@
 """Reuse in format version 2: whole data files of the previous step, linked or copied.
-
 Called on the background thread of a save, on every process.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._incremental.packed``.
@@ -10,13 +9,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import stat
 from collections.abc import Callable
 
 from .._errors import CheckpointError
 from .._format.layout import LeafRecord, array_dir
 from .._storage import server_copy as _server_copy
-from .._storage.local_files import open_dirs as _open_dirs
 from .._storage.location import Location
 from .._zarr import chunks as _chunks
 from .._zarr import packed_reader as _packed_reader
@@ -29,6 +26,7 @@ from .chunks import (
     snapshot_crcs,
 )
 from .copies import _same_copy
+from .links import _Links
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -170,25 +168,16 @@ def link_file(
     followed), then checks it (size, every ``live`` segment's crc32c); raises after
     unlinking it on any failure."""
     os.makedirs(target.path, exist_ok=True)  # another process may not have yet
-    sfd = _open_dirs(source.path, [_chunks.DATA_DIR])
+    links, shown = _Links(source, target), f"{source}/data/{old}"
     try:
-        dfd = _open_dirs(target.path, [_chunks.DATA_DIR], create=True)
-        try:
-            st = os.stat(old, dir_fd=sfd, follow_symlinks=False)
-            if not stat.S_ISREG(st.st_mode):
-                raise Refused(f"{source}/data/{old}: expected a regular file")
-            os.link(old, new, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
-            try:
-                shown = f"{source}/data/{old}"
-                segments = [(f"{shown} at {s.offset}", s.offset, s.length, s.crc32c) for s in live]
-                check_linked(dfd, new, shown, size, segments, _differs)
-            except BaseException:
-                os.unlink(new, dir_fd=dfd)
-                raise
-        finally:
-            os.close(dfd)
+        dfd = links.link((_chunks.DATA_DIR,), old, (_chunks.DATA_DIR,), new, shown)
+        segments = [(f"{shown} at {s.offset}", s.offset, s.length, s.crc32c) for s in live]
+        check_linked(dfd, new, shown, size, segments, _differs)
+    except BaseException:
+        links.undo()
+        raise
     finally:
-        os.close(sfd)
+        links.close()
 
 
 def _differs(where: str, stored: int, expected: int) -> str:
@@ -204,8 +193,8 @@ def copy_file(
     size: int,
     live: list[_chunks.Segment],
 ) -> None:
-    """Copies ``data/<old>`` of ``source`` to ``data/<new>`` of ``target`` on the server from
-    the object listed, and checks the copy (``_same_copy``); raises after deleting it."""
+    """Copies ``data/<old>`` of ``source`` to ``data/<new>`` of ``target`` on the server,
+    checked (``_same_copy``); raises after deleting it."""
     if source.spec | {"path": ""} != target.spec | {"path": ""}:
         raise Refused(f"{target}: not in the bucket of {source}")
     src = f"{source.path}{_chunks.DATA_DIR}/{old}"

@@ -170,8 +170,10 @@ def previous_document(reuse: Reuse) -> tuple[Location, CheckpointDocument] | Non
 
 
 def plan_reuse(records: dict[int, LeafRecord], previous: CheckpointDocument) -> dict[int, int]:
-    """``{leaf index: previous index}`` of array leaves matching in every field of their bytes."""
+    """``{leaf index: previous index}`` of uncompressed array leaves (compressed chunks have
+    no fixed size to check) matching in every field of their bytes."""
     by_path = {r.path: (j, r) for j, r in enumerate(previous.leaves)}
+    fields = lambda r: (r.digest, r.kind, tuple(r.shape), r.dtype, r.storage, r.impl)
     out = {}
     for i, rec in records.items():
         j, old = by_path.get(rec.path, (None, None))
@@ -179,16 +181,8 @@ def plan_reuse(records: dict[int, LeafRecord], previous: CheckpointDocument) -> 
             old is not None
             and rec.digest is not None
             and isinstance(rec.storage, ArrayStorage)
-            and isinstance(old.storage, ArrayStorage)
-            and old.digest == rec.digest
-            and old.kind == rec.kind
-            and tuple(old.shape) == tuple(rec.shape)
-            and old.dtype == rec.dtype
-            and tuple(old.storage.chunk_shape) == tuple(rec.storage.chunk_shape)
-            and old.storage.codec == rec.storage.codec
-            and old.storage.codec is None  # compressed chunks have no fixed size to check
-            and old.storage.packed == rec.storage.packed  # (a sub-byte leaf's layout)
-            and old.impl == rec.impl
+            and rec.storage.codec is None
+            and fields(old) == fields(rec)  # storage: chunk shape, codec, packing
         ):
             out[i] = j
     return out
@@ -225,7 +219,7 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} bytes"
 
 
-# -- 4. the chunks a process reuses -----------------------------------------------------
+# -- 4. what a snapshot reuses: the chunks of each unchanged leaf ---------------------------
 
 
 def chunks_of(record: LeafRecord, regions: Iterable[Bounds]) -> list[tuple[str, ...]] | None:
@@ -241,9 +235,6 @@ def chunks_of(record: LeafRecord, regions: Iterable[Bounds]) -> list[tuple[str, 
             ranges.append(range(a // c, -(-b // c)))
         out.update(_chunks.chunk_parts(idx) for idx in itertools.product(*ranges))
     return sorted(out)
-
-
-# -- 4. what a snapshot reuses -----------------------------------------------------------
 
 
 def unchanged(leaves: list, fmt: Any, location: Location, reuse: Reuse, region: Any):
