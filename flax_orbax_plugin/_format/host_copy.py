@@ -1,5 +1,4 @@
 """A host's own copy of a step: its marker ``HOST_FILE`` read and checked, and what it holds.
-
 Pure reads of small files; any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.host_copy``.
@@ -76,16 +75,6 @@ _MARKER_FIELDS = {
 }
 
 
-def check_marker(doc: Any) -> str | None:
-    """What is wrong with a parsed marker (the first field), or None."""
-    if not isinstance(doc, dict):
-        return f"expected a JSON object, found {type(doc).__name__}"
-    for field, (expected, ok) in _MARKER_FIELDS.items():
-        if not ok(doc.get(field)):
-            return f"field {field}: expected {expected}, found {repr(doc.get(field))[:80]}"
-    return None
-
-
 def read_at(step_loc: Location) -> tuple[dict | None, str | None]:
     """The :data:`HOST_FILE` of the step at ``step_loc`` as a checked JSON object, or what
     is wrong with it (``"no _HOST.json"`` when there is none)."""
@@ -96,8 +85,16 @@ def read_at(step_loc: Location) -> tuple[dict | None, str | None]:
         doc = _local_files.parse(raw, f"{step_loc}/{HOST_FILE}", _local_files.HOST_MARKER)
     except CheckpointError as e:
         return None, str(e)
-    problem = check_marker(doc)
-    return (None, f"{step_loc}/{HOST_FILE}: {problem}") if problem else (doc, None)
+    if not isinstance(doc, dict):
+        return None, f"{step_loc}/{HOST_FILE}: expected a JSON object, found {type(doc).__name__}"
+    for field, (expected, ok) in _MARKER_FIELDS.items():
+        if not ok(doc.get(field)):
+            found = repr(doc.get(field))[:80]
+            return (
+                None,
+                f"{step_loc}/{HOST_FILE}: field {field}: expected {expected}, found {found}",
+            )
+    return doc, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +117,6 @@ class HostCopy:
         return f"{mine}: the other {others} host(s)' shards live in their own directories"
 
     def item(self, name: str) -> HeldItem:
-        """What this copy holds of item ``name``."""
         return HeldItem(self, name)
 
     def regions(self, item: str, path: str, shape: tuple[int, ...]) -> list[tuple] | None:
@@ -149,8 +145,8 @@ class HostCopy:
         return [r.path for r in records if self.regions(item, r.path, r.shape) is not None]
 
     def elsewhere(self, kind: str, process_count: int) -> set[str]:
-        """The files of an item of ``kind`` that the step's manifest lists but this copy
-        need not hold: the other processes' data iterator states."""
+        """The files of an item of ``kind`` listed but not held here: the other processes'
+        data iterator states."""
         if self.held is None or kind != "data_iterator":
             return set()
         others = (p for p in range(process_count) if p != self.process_index)
@@ -181,8 +177,8 @@ class HeldItem:
         return self.copy.regions(self.name, record.path, record.shape)
 
     def skipped_batches(self, doc: Any) -> set[str]:
-        """The batches one of whose leaves this copy does not hold whole (a host writes a
-        batch only when it holds all of its leaves)."""
+        """The batches with a leaf this copy does not hold whole (a host writes a batch only
+        when it holds all of its leaves)."""
         return {
             rec.storage.batch
             for rec in doc.leaves
@@ -204,8 +200,8 @@ def held_bytes(regions: list[tuple] | None, shape: tuple[int, ...], itemsize: in
 
 
 def of_step(step_loc: Location) -> tuple[HostCopy | None, str | None]:
-    """The host copy that the local step at ``step_loc`` is (None: no marker there), or what
-    is wrong with its marker (never uploaded: a tier leaves it out)."""
+    """The host copy that the local step at ``step_loc`` is (None: no marker there: never
+    uploaded), or what is wrong with its marker."""
     if not step_loc.is_local or not step_loc.exists(HOST_FILE):
         return None, None
     doc, problem = read_at(step_loc)
@@ -220,6 +216,6 @@ def of_step(step_loc: Location) -> tuple[HostCopy | None, str | None]:
 
 
 def of_item(item_loc: Location) -> HostCopy | None:
-    """:func:`of_step` of the step holding the item at ``item_loc`` (None where the marker
-    is unreadable: the reads then check the item as they would any)."""
+    """:func:`of_step` of the step holding ``item_loc`` (None where the marker is unreadable:
+    the item is then read as any)."""
     return of_step(item_loc.parent)[0]
