@@ -34,7 +34,6 @@ from .._format.layout import ArrayStorage, BatchRecord, BatchStorage, array_dir,
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunks as _chunks
-from .._zarr import packed_codec as _codec
 from .._zarr import packed_writer as _packed_writer
 from .._zarr import subbyte as _subbyte
 from . import device_copy as _device_copy
@@ -580,7 +579,7 @@ def _compressedbatch_jobs(batches: dict[str, BatchRecord], batch_data, writer) -
     for name, batch in batches.items():
         if batch.codec is not None and name in batch_data:
             data = _assembled(batch_data.pop(name))
-            spec = _arrays.batch_spec(_codec.MEMORY, batch)
+            spec = _arrays.batch_spec(_arrays.MEMORY, batch)
             sub = batch_dir(name)
             write = lambda index, data, sub=sub, spec=spec: [
                 writer.encoded(sub, spec, [(index, data)])
@@ -594,7 +593,7 @@ def _direct(writer: _packed_writer.PackedWriter, leaf):
     chunk = record.storage.chunk_shape
     spec = None
     if record.storage.codec is not None:
-        spec = _arrays.leaf_spec(_codec.MEMORY, leaf.index, record)
+        spec = _arrays.leaf_spec(_arrays.MEMORY, leaf.index, record)
 
     def write(index, data):
         sub = array_dir(leaf.index)

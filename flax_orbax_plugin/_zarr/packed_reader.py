@@ -31,7 +31,6 @@ from .._storage.location import Location
 from . import arrays as _arrays
 from . import chunk_files as _chunk_files
 from . import chunks as _chunks
-from . import packed_codec as _codec
 from .chunks import (
     DATA_DIR,
     INDEX_FORMAT,
@@ -44,8 +43,7 @@ from .chunks import (
 
 
 class PackedReader(_chunk_files.ChunkReader):
-    """Reads chunks listed in ``chunks`` (every process's merged index) from the data
-    files of ``location``."""
+    """Reads the chunks ``chunks`` (every process's merged index) lists from the data files."""
 
     packed = True
 
@@ -229,7 +227,7 @@ class PackedReader(_chunk_files.ChunkReader):
         sub, chunk = _layout.array_dir(index), record.storage.chunk_shape
         _, ranges = _cells(record.shape, chunk, region)
         keys = [_key(sub, cell) for cell in itertools.product(*ranges)]
-        decoder = _codec.Decoder(_arrays.leaf_spec(_codec.MEMORY, index, record))
+        decoder = _arrays.Decoder(_arrays.leaf_spec(_arrays.MEMORY, index, record))
         raw = int(np.prod(chunk, dtype=np.int64)) * decoder.store.dtype.numpy_dtype.itemsize
         view = decoder.store if region is None else decoder.store[tuple(region)]
         dtype = _layout.dtype_from_name(record.dtype, path=record.path)
@@ -243,7 +241,7 @@ class PackedReader(_chunk_files.ChunkReader):
         chunk, inner = int(batch.chunk), batch.inner
         raw = chunk * _layout.dtype_from_name(batch.dtype).itemsize
         sub = _layout.batch_dir(batch.name)
-        decoder = _codec.Decoder(_arrays.batch_spec(_codec.MEMORY, batch))
+        decoder = _arrays.Decoder(_arrays.batch_spec(_arrays.MEMORY, batch))
         keys = [_key(sub, (s,)) for s in range(-(-batch.size // chunk))]
         for future in self._load_all(sub, keys, decoder, raw, chunk // inner):
             future.result()
@@ -252,7 +250,7 @@ class PackedReader(_chunk_files.ChunkReader):
     def _load_all(self, sub, keys, decoder, raw: int, inners: int) -> list:
         if self._kv is not None:
             self._ranges.want(keys)
-        bound = _codec.max_segment_bytes(raw, inners)
+        bound = _arrays.max_segment_bytes(raw, inners)
         return [self._pool.submit(self._load, sub, key, decoder, bound) for key in keys]
 
     def _load(self, sub: str, key: str, decoder, bound: int) -> None:
@@ -510,8 +508,7 @@ class _Range:
         self.lock = threading.Lock()
 
     def bytes(self) -> memoryview:
-        """The fetched bytes (empty: the object is missing), taken once (each
-        ``ReadResult.value`` is a fresh copy)."""
+        """The fetched bytes (empty: no object), taken once (each ``.value`` is a fresh copy)."""
         with self.lock:
             if self.value is None:
                 result = self.future.result()
@@ -626,8 +623,7 @@ class RangeReads:
         return value if len(value) == segment.length else None
 
     def _start(self, entry: _Range, key: str) -> _Range:
-        """Issues ``entry``'s GET, or past the memory bound a piece of it from ``key`` on.
-        Under the lock."""
+        """Issues ``entry``'s GET, or past the memory bound a piece of it from ``key`` on."""
         if self._held_bytes and self._held_bytes + entry.nbytes > FETCH_BYTES:
             entry = self._split(entry, key)
         self._issue(entry)

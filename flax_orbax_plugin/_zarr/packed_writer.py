@@ -27,8 +27,8 @@ from .._base import env as _env
 from .._base import host as _host
 from .._storage import local_files as _local_files
 from .._storage.location import Location, check_name
+from . import arrays as _arrays
 from . import chunks as _chunks
-from . import packed_codec as _codec
 
 _SYNC_FILE_RANGE_WRITE = 2
 DIRECT_ALIGN = 4096  # address, length and file offset of an O_DIRECT write
@@ -183,8 +183,7 @@ class Gathered:
         self.nbytes = self.size * self.dtype.itemsize
 
     def segments(self, start: int, stop: int, size: int) -> list[np.ndarray]:
-        """Read-only uint8 arrays that are bytes ``[start, stop)`` (zeros between and past
-        ``size``)."""
+        """Read-only uint8 arrays that are bytes ``[start, stop)`` (zeros between, past end)."""
         out: list[np.ndarray] = []
         at = start
         i = max(0, bisect.bisect_right(self._offsets, start) - 1)
@@ -334,7 +333,7 @@ class PackedWriter(ChunkWriter):
         return self._encoder.submit(self._write_encoded, sub, spec, writes)
 
     def _write_encoded(self, sub: str, spec: dict[str, Any], writes: list) -> None:
-        for key, value in _codec.encode(spec, writes):
+        for key, value in _arrays.encode(spec, writes):
             raw = np.frombuffer(value, np.uint8)
             if raw.size <= _chunks.CRC_BYTES:
                 raise ValueError(f"{sub}/{key}: an encoded chunk of {raw.size} bytes")
@@ -442,8 +441,7 @@ class PackedWriter(ChunkWriter):
         self._location.write_bytes(f"{_chunks.DATA_DIR}/{name}", data)
 
     def close(self) -> None:
-        """Waits for every chunk, uploads the last objects or closes the local files (made
-        durable by the save's sync)."""
+        """Waits for every chunk; uploads the last objects, or closes the local files."""
         try:
             if self._encoder is not None:
                 self._encoder.shutdown(wait=True)
@@ -460,8 +458,7 @@ class PackedWriter(ChunkWriter):
             self._fds, self._direct_fds = {}, {}
 
     def index(self, dtypes: dict[str, str] | None = None) -> _chunks.DataIndex:
-        """The index of everything written (after :meth:`close`), with the ``dtypes`` of
-        the arrays that have chunks here."""
+        """The index of everything written (after :meth:`close`), with its arrays' ``dtypes``."""
         chunks = dict(self._chunks)
         held = {_chunks.array_prefix(key) for key in chunks}
         arrays = {k: v for k, v in (dtypes or {}).items() if k in held}
