@@ -20,13 +20,13 @@ from .._zarr import packed_reader as _packed_reader
 from .chunks import (
     Refused,
     Writes,
+    _Links,
     check_linked,
     chunk_file_bytes,
     not_the_snapshot,
     snapshot_crcs,
 )
 from .copies import _same_copy
-from .links import _Links
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -193,8 +193,7 @@ def copy_file(
     size: int,
     live: list[_chunks.Segment],
 ) -> None:
-    """Copies ``data/<old>`` of ``source`` to ``data/<new>`` of ``target`` on the server,
-    checked (``_same_copy``); raises after deleting it."""
+    """Server-side copy of ``data/<old>`` as ``target``'s ``data/<new>``, checked (else deleted)."""
     if source.spec | {"path": ""} != target.spec | {"path": ""}:
         raise Refused(f"{target}: not in the bucket of {source}")
     src = f"{source.path}{_chunks.DATA_DIR}/{old}"
