@@ -27,8 +27,7 @@ from .steps import (
 
 
 def contents(loc: Location, limit: int = 5) -> str:
-    """A short list of what ``loc`` holds, for the words of a refused removal or write
-    (``_core.ownership``, ``_core.removing``)."""
+    """A short list of what ``loc`` holds, for the words of a refused removal or write."""
     names = loc.list_children()
     shown = ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
     run = "a CheckpointManager's directory of steps: " if committed_steps(loc) else ""
@@ -53,8 +52,7 @@ def holding_checkpoint(location: Location, *, runs: int = 0) -> str | None:
 
 
 def no_steps(where: Location | Place, listing: Listing | None = None) -> CheckpointError:
-    """The error for a reader of a directory of steps that found no committed step at
-    ``where`` (its :class:`Place`, or a location classified here)."""
+    """The error for a reader of steps that found none at ``where`` (a Place or location)."""
     place = where if isinstance(where, Place) else classify(where)
     location, listing = place.location, listing or place.listing
     if place.kind in (STEP_KIND, HOST_COPY):

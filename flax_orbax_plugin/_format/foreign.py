@@ -78,8 +78,7 @@ _MAX_LEGACY_PROBES = 16  # item folders looked into for a step without a record
 
 
 def legacy_step(step_loc: Location) -> bool:
-    """Whether ``step_loc`` is a step of an older orbax (no step record, but a folder in it
-    holds ``_METADATA``)."""
+    """Whether ``step_loc`` is an older orbax's step (no record; an item holds ``_METADATA``)."""
     for name in [n for n in step_loc.list_children() if n[:1] not in "._"][:_MAX_LEGACY_PROBES]:
         try:
             child = subdir(step_loc, name, "item")
@@ -120,8 +119,7 @@ def unfinished(loc: Location, record: Any) -> str | None:
 
 
 def subdir(loc: Location, name: str, role: str) -> Location | None:
-    """``loc/name`` when it is a real directory; None when it is absent or (on local
-    disk) a plain file; ForeignEntryError for a symbolic link or a special file."""
+    """``loc/name`` if a directory; None if absent or a file; ForeignEntryError for a link."""
     if not loc.is_local:
         return loc.child(name)
     try:
@@ -208,8 +206,7 @@ def refuse_foreign_run(loc: Location, *, writing: bool) -> None:
 
 
 def foreign_format_hint(loc: Location) -> str:
-    """``"; <what it is and what to do>"`` when ``loc`` holds another library's checkpoint,
-    else ``""``."""
+    """``"; <what it is and what to do>"`` when ``loc`` is another library's, else ``""``."""
     try:
         if loc.is_local and is_msgpack_checkpoint(loc.path.rstrip("/")):
             return (

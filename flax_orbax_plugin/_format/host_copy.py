@@ -145,8 +145,7 @@ class HostCopy:
         return [r.path for r in records if self.regions(item, r.path, r.shape) is not None]
 
     def elsewhere(self, kind: str, process_count: int) -> set[str]:
-        """The files of an item of ``kind`` listed but not held here: the other processes'
-        data iterator states."""
+        """Files of an item of ``kind`` held by the other hosts: their data iterator states."""
         if self.held is None or kind != "data_iterator":
             return set()
         others = (p for p in range(process_count) if p != self.process_index)

@@ -225,8 +225,7 @@ class StepItem:
 
 
 def step_item(location: Location) -> StepItem | None:
-    """The item of a committed step at ``location``, or None when no committed step lists
-    it (a damaged manifest raises)."""
+    """The item of a committed step at ``location``, or None (a damaged manifest raises)."""
     manifest = manifest_for_item(location)
     if manifest is None:
         return None
@@ -320,8 +319,7 @@ def classify(location: Location, *, steps_first: bool = False) -> Place:
 
 
 def _run_listing(location: Location, listing: Listing | None) -> Listing | None:
-    """The listing of ``location`` when it is a run directory of ours (committed steps, or
-    our run records); None otherwise, or where it cannot be listed."""
+    """The listing of ``location`` if it is a run of ours (steps or run records), else None."""
     try:
         if location.is_local and not location.is_dir():
             return None
@@ -334,8 +332,7 @@ def _run_listing(location: Location, listing: Listing | None) -> Listing | None:
 
 
 def not_a_checkpoint(where: Location | Place) -> CheckpointError:
-    """The error for a reader of one pytree that found no committed checkpoint at
-    ``where`` (its :class:`Place`, or a location classified here)."""
+    """The error for a reader of one pytree that found none at ``where`` (a Place or location)."""
     place = where if isinstance(where, Place) else classify(where)
     location = place.location
     if place.kind in (STEP_KIND, HOST_COPY):
@@ -480,14 +477,12 @@ def _staged(location: Location) -> str | None:
 
 
 def read_document(location: Location) -> CheckpointDocument:
-    """The validated metadata of a committed checkpoint or step item, checked against the
-    checksum its commit recorded; an error saying what is there when no commit lists it."""
+    """The validated metadata at ``location``, checked against its commit's checksum."""
     return _layout.read_listed_document(location, listed_checksums(location))
 
 
 def listed_checksums(location: Location) -> dict[str, str]:
-    """``layout.committed_checksums`` of ``location``; an error saying what is there when
-    no commit lists it."""
+    """``layout.committed_checksums`` of ``location``; an error when no commit lists it."""
     listed = _layout.committed_checksums(location)
     if listed is None:
         raise not_a_checkpoint(location)

@@ -168,8 +168,7 @@ def _same_copy(
     answer: _server_copy.ObjectInfo,
     listed: _server_copy.ObjectInfo | None,
 ) -> bool:
-    """The copy's answer has the source's size (and content tag), the new key's listing
-    that size and the answer's tag."""
+    """The copy's answer and the new key's listing carry the source's size and tag."""
     if listed is None or answer.size != source.size or listed.size != source.size:
         return False
     if source.content_tag and answer.content_tag and source.tag and answer.tag:

@@ -33,8 +33,7 @@ def file_name(path: str) -> str:
 
 
 def stored_name(path: str, where: Callable[[str], str] | None, kind: str) -> str:
-    """Chunk ``path``'s stored bytes in a damage error: ``where(path)`` (version 2), else
-    version 1's own file."""
+    """Chunk ``path``'s bytes in a damage error: ``where(path)`` (version 2), else its file."""
     return where(path) if where is not None else f"{kind} {file_name(path)}"
 
 
@@ -173,8 +172,7 @@ def batch_claim(
 
 
 def stored_files(root: str, sub: str) -> tuple[int, int]:
-    """(regular files, their total bytes) under ``root/sub/c``, walked without following
-    any link; (0, 0) when there is no such directory."""
+    """(regular files, bytes) under ``root/sub/c``, following no link; (0, 0) if absent."""
     count = total = 0
     for entry in walk_entries(os.path.join(root, check_name(sub), _chunks.CHUNK_DIR)):
         if entry.is_file(follow_symlinks=False):
@@ -407,8 +405,7 @@ def _read_shard(
 
 
 def _read_file(path: str, name: str, parts: list[np.ndarray]) -> None:
-    """Fills ``parts`` (uint8 arrays) with the whole file at ``path``, which must be a
-    regular file of exactly their total size (never followed if a symlink)."""
+    """Fills ``parts`` with the whole regular file at ``path`` (no link), of exactly their size."""
     _read_ranges(path, name, sum(p.size for p in parts), [(0, parts)])
 
 
@@ -445,8 +442,7 @@ def _read_ranges(path: str, name: str, expected: int, ranges: list) -> None:
 
 
 def preadv_into(fd: int, parts: list[np.ndarray], at: int, name: str) -> int:
-    """Fills ``parts`` (uint8 arrays) from ``fd`` from offset ``at`` on; returns the
-    offset after them. ValueError naming chunk ``name`` where the file ends early."""
+    """Fills ``parts`` from ``fd`` at ``at``; returns the offset after (ValueError: ended early)."""
     views = [memoryview(p) for p in parts if p.size]
     while views:
         got = os.preadv(fd, views[: _chunks.IOV_MAX], at)

@@ -125,8 +125,7 @@ def crc_trailer(parts: list[np.ndarray]) -> np.ndarray:
 
 
 def chunk_payload(view: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray:
-    """The stored bytes of one chunk (before its crc32c) from ``view``, zero-padded to the
-    full ``chunk``."""
+    """The stored bytes of one chunk (before its crc32c) from ``view``, zero-padded."""
     if view.shape != chunk:
         full = np.zeros(chunk, view.dtype)
         full[tuple(slice(0, n) for n in view.shape)] = view

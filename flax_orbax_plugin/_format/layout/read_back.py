@@ -500,8 +500,7 @@ def read_item_json(item_loc: Location, name: str) -> object:
 
 
 def committed_checksums(location: Location) -> dict[str, str] | None:
-    """The sha256 of each JSON file of the committed checkpoint at ``location``, by name,
-    as its commit marker or step manifest recorded them; None when no commit lists it."""
+    """The sha256 of each JSON file at ``location`` its commit recorded; None if uncommitted."""
     raw_marker = location.read_bytes(COMMIT_FILE)
     if raw_marker is not None:
         return dict(CommitMarker.from_bytes(raw_marker, f"{location}/{COMMIT_FILE}").files)

@@ -217,8 +217,7 @@ def time_field(obj: Mapping, key: str, where: str, field: str) -> float:
 
 
 def check_format_version(obj: Mapping, where: str, name: str, key: str, known: int) -> int:
-    """Checks the ``format`` name and returns the version under ``key`` (one this library
-    does not know yet is refused, saying: upgrade)."""
+    """Checks ``format`` and returns the version under ``key`` (a newer one is refused)."""
     need(obj.get("format") == name, where, "format", repr(name), obj.get("format"))
     version = int_field(obj, key, where, key, lo=1, hi=1 << 30)
     if version > known:
