@@ -16,8 +16,7 @@ from .._base import host as _host
 from .._format import layout as _layout
 from .._format.layout import ArrayStorage, BatchRecord, CheckpointDocument, array_dir
 from .._incremental import reuse as _reuse
-from .._incremental.chunks import link_leaf
-from .._incremental.copies import copy_leaf
+from .._incremental.chunks import copy_leaf, link_leaf
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files

@@ -21,12 +21,12 @@ from .chunks import (
     Refused,
     Writes,
     _Links,
+    _same_copy,
     check_linked,
     chunk_file_bytes,
     not_the_snapshot,
     snapshot_crcs,
 )
-from .copies import _same_copy
 
 logger = logging.getLogger("flax_orbax_plugin")
 
