@@ -15,7 +15,6 @@ from .._base import host as _host
 from .._base.distributed import public
 from .._base.env import Option, check
 from .._errors import CheckpointError, OptionError, OptionTypeError
-from .._format import describe as _describe
 from .._format import host_copy as _host_copy
 from .._format import layout as _layout
 from .._format import steps as _steps
@@ -119,7 +118,7 @@ def verify(
         _no_step_chosen(loc, "a pytree", _step_number(loc.parent), step)
         return [_verify_pytree(loc, _step_number(loc.parent), loc.name, progress, budget=budget)]
     if place.kind != _steps.RUN or not place.listing.committed:
-        raise _describe.no_steps(place)  # says what is there instead
+        raise _steps.no_steps(place)  # says what is there instead
     committed = place.listing.committed
     chosen = committed if all_steps else [_steps.choose_step(loc, committed, step)]
     out: list[VerifyResult] = []

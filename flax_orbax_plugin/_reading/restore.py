@@ -33,7 +33,6 @@ from .._errors import (
     OptionTypeError,
     StructureError,
 )
-from .._format import describe as _describe
 from .._format import layout as _layout
 from .._format import metadata as _metadata
 from .._format import steps as _steps
@@ -368,7 +367,7 @@ def _serve(directory: Any, step: int | None, job: _Serving) -> Any:
     if not steps:
         if place.kind == _steps.ORBAX:
             return _orbax_params(directory, step, job)
-        raise _describe.no_steps(place)  # what is there instead (a step, a run below, ...)
+        raise _steps.no_steps(place)  # what is there instead (a step, a run below, ...)
 
     def serve(chosen: int) -> Any:
         return _serve_step(loc, steps, chosen, job)
