@@ -6,6 +6,7 @@ device is refused without blocking. Any thread.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from typing import Any
@@ -207,7 +208,7 @@ def refuse_foreign_run(loc: Location, *, writing: bool) -> None:
 
 def foreign_format_hint(loc: Location) -> str:
     """``"; <what it is and what to do>"`` when ``loc`` is another library's, else ``""``."""
-    try:
+    with contextlib.suppress(CheckpointError):
         if loc.is_local and is_msgpack_checkpoint(loc.path.rstrip("/")):
             return (
                 f"; {loc} is a Flax msgpack checkpoint: read it with fop.restore_msgpack, or "
@@ -218,8 +219,6 @@ def foreign_format_hint(loc: Location) -> str:
                 f"; {loc} is an Orbax checkpoint: fop.restore and fop.restore_params read it "
                 f"directly, `flax-orbax import` converts it into steps of this library"
             )
-    except CheckpointError:
-        pass
     return ""
 
 

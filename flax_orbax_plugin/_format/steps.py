@@ -9,6 +9,7 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.steps``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import os
@@ -323,14 +324,12 @@ def classify(location: Location, *, steps_first: bool = False) -> Place:
 
 def _run_listing(location: Location, listing: Listing | None) -> Listing | None:
     """The listing of ``location`` if it is a run of ours (steps or run records), else None."""
-    try:
+    with contextlib.suppress(CheckpointError, OSError):
         if location.is_local and not location.is_dir():
             return None
         listing = listing if listing is not None else list_directory(location)
         if listing.committed or any(location.exists(n) for n in RECORD_NAMES):
             return listing
-    except (CheckpointError, OSError):
-        pass
     return None
 
 
@@ -395,7 +394,7 @@ def nothing_here(location: Location, none: str) -> str:
 
 def folder_inside(location: Location) -> str | None:
     """What of ours ``location`` is a folder inside (a checkpoint, a step, an item)."""
-    try:
+    with contextlib.suppress(CheckpointError, OSError, ValueError):
         parent = location.parent
         if parent.exists(COMMIT_FILE):
             return f"the checkpoint {parent}"
@@ -403,8 +402,6 @@ def folder_inside(location: Location) -> str | None:
             return f"step {parent.name} ({parent})"
         if manifest_for_item(parent) is not None:
             return f"the item {parent} of a step"
-    except (CheckpointError, OSError, ValueError):
-        pass
     return None
 
 

@@ -8,6 +8,7 @@ failing the save). A save's background thread, every process. ``docs/incremental
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import errno
 import itertools
@@ -184,10 +185,8 @@ class _Links:
     def undo(self) -> None:
         """Unlinks every name this call linked (errors ignored)."""
         for dfd, name, _ in self.linked:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=dfd)
-            except OSError:
-                pass
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -349,9 +348,7 @@ def _same_copy(
 def _delete_copies(copier: _server_copy.Copier, prefix: str, names: list[str]) -> None:
     """Deletes this process's copies ``prefix + name``; errors ignored (the write replaces)."""
     mine = set(names)
-    try:
+    with contextlib.suppress(OSError):
         for key in copier.list(prefix):
             if key[len(prefix) :] in mine:
                 copier.delete(key)
-    except OSError:
-        pass

@@ -6,6 +6,7 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._incremental.pa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -206,17 +207,13 @@ def copy_file(
         if not _same_copy(info, answer, copier.list(dst).get(dst)):
             raise Refused(f"{target}/data/{new}: the copy is not the object {src} listed")
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             copier.delete(dst)
-        except OSError:
-            pass
         raise
 
 
 def _undo(target: Location, names: list[str]) -> None:
     """Removes the data files this call took (its own names in the staging item)."""
     for name in names:
-        try:
+        with contextlib.suppress(OSError, CheckpointError):
             target.delete(f"{_chunks.DATA_DIR}/{name}")
-        except (OSError, CheckpointError):
-            pass

@@ -9,6 +9,7 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._zarr.chunk_fil
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import math
 import os
@@ -123,9 +124,8 @@ def _advise(path: str) -> None:
     except OSError:
         return
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
     finally:
         os.close(fd)
 
