@@ -34,7 +34,7 @@ from .._format.layout import (
     array_dir,
     batch_dir,
 )
-from .._format.layout.records import show
+from .._format.records import show
 from .._like import onto_like as _onto_like
 from .._like.onto_like import Changes, check_policy
 from .._like.onto_like import describe as _describe

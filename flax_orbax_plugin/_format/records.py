@@ -5,7 +5,7 @@ reader shares), bounds, the records of a leaf and a batch, the names on disk,
 
 Pure functions over immutable records (the dtype lookups cached); any thread.
 
-Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.layout.records``.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.records``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from ..._errors import CorruptCheckpointError, StructureError
-from ..._storage import local_files as _local_files
+from .._errors import CorruptCheckpointError, StructureError
+from .._storage import local_files as _local_files
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,13 @@
-"""The records of format version 1 read back from storage, every field checked before
-anything sized by it is allocated, and the JSON files of a committed step read against
-the checksums its commit recorded (never following a link). Each raises
-:class:`CorruptCheckpointError` naming the file and the field. Only a read runs this;
-where no commit lists a place, the words for it are ``_format.steps``'. Any thread.
+"""The on-disk layout, format version 1: the only place that knows the JSON field names and
+the names on disk (FORMAT.md is the specification). ``records``: the dtypes and the
+records as a writer makes them (their names readers use are re-exported here, ``X as X``);
+here: each record read back from storage, every field checked before anything sized by
+it is allocated, and the JSON files of a committed step read against the checksums its
+commit recorded (never following a link). Each raises :class:`CorruptCheckpointError`
+naming the file and the field; where no commit lists a place, the words for it are
+``steps``'. Any thread.
 
-Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.layout.records``.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.layout``.
 """
 
 from __future__ import annotations
@@ -17,56 +20,70 @@ import re
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-from ..._base.key_paths import path_string
-from ..._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
-from ..._storage import local_files as _local_files
-from ..._storage.location import Location
+from .._base.key_paths import path_string
+from .._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
+from .._storage import local_files as _local_files
+from .._storage.location import Location
 from .records import (
     _CODEC,
-    COMMIT_FILE,
-    DTYPES,
     FORMAT_NAME,
     KEY_KINDS,
     LANES,
     LATEST_FORMAT_VERSION,
     LEAF_KINDS,
-    MANIFEST_FILE,
     MAX_ARRAY_BYTES,
     MAX_NDIM,
     MAX_PROCESSES,
-    MAX_TEXT_BYTES,
-    METADATA_FILE,
-    NO_DATA_KINDS,
     PRNG_IMPLS,
     PRNG_KEY_WORDS,
     SCALAR_KINDS,
     STEP_FORMAT,
-    STEP_VERSION,
-    SUPPORTED_DTYPES,
-    TEXT_KINDS,
-    ArrayStorage,
-    BatchRecord,
-    BatchStorage,
-    CheckpointDocument,
-    CommitMarker,
-    ItemEntry,
-    LeafRecord,
-    StepManifest,
-    batch_name,
     check_format_version,
-    dtype_from_name,
     fail,
     files_field,
     int_field,
     is_int,
-    is_safe_name,
     need,
-    packable,
-    packed_bytes,
     parse_sealed,
-    sha256,
     time_field,
 )
+from .records import ARRAYS_DIR as ARRAYS_DIR
+from .records import BATCHES_DIR as BATCHES_DIR
+from .records import COMMIT_FILE as COMMIT_FILE
+from .records import DTYPES as DTYPES
+from .records import EMPTY_KINDS as EMPTY_KINDS
+from .records import HOST_FILE as HOST_FILE
+from .records import JSON_VALUE_FILE as JSON_VALUE_FILE
+from .records import MANIFEST_FILE as MANIFEST_FILE
+from .records import MAX_TEXT_BYTES as MAX_TEXT_BYTES
+from .records import METADATA_FILE as METADATA_FILE
+from .records import NO_DATA_KINDS as NO_DATA_KINDS
+from .records import PENDING_FILE as PENDING_FILE
+from .records import STEP_VERSION as STEP_VERSION
+from .records import SUPPORTED_DTYPES as SUPPORTED_DTYPES
+from .records import TEXT_KINDS as TEXT_KINDS
+from .records import ArrayStorage as ArrayStorage
+from .records import BatchRecord as BatchRecord
+from .records import BatchStorage as BatchStorage
+from .records import CheckpointDocument as CheckpointDocument
+from .records import CommitMarker as CommitMarker
+from .records import ItemEntry as ItemEntry
+from .records import LeafRecord as LeafRecord
+from .records import StepManifest as StepManifest
+from .records import array_dir as array_dir
+from .records import batch_dir as batch_dir
+from .records import batch_name as batch_name
+from .records import check_codec as check_codec
+from .records import dtype_from_name as dtype_from_name
+from .records import dtype_name as dtype_name
+from .records import encode as encode
+from .records import is_safe_name as is_safe_name
+from .records import iterator_state_file as iterator_state_file
+from .records import packable as packable
+from .records import packed_bytes as packed_bytes
+from .records import seal as seal
+from .records import sha256 as sha256
+from .records import step_dir as step_dir
 
 # Canonical step names only: ``0`` or digits without a leading zero (``007`` is foreign).
 STEP_NAME = r"(0|[1-9][0-9]{0,17})"
