@@ -28,10 +28,6 @@ def _pair(d: Any) -> bool:
     return isinstance(d, list) and len(d) == 2 and all(map(_is_int, d))
 
 
-def _region_ok(region: Any) -> bool:
-    return isinstance(region, list) and all(_pair(d) and d[0] <= d[1] for d in region)
-
-
 def _short_str(limit: int):
     """The check of a field that is null or a string of at most ``limit`` characters."""
     return lambda v: v is None or isinstance(v, str) and len(v) <= limit
@@ -44,8 +40,9 @@ def _held_ok(held: Any) -> bool:
     if not isinstance(held, dict) or set(held) != {"sets", "items"}:
         return False
     sets, items = held["sets"], held["items"]
+    region_ok = lambda r: isinstance(r, list) and all(_pair(d) and d[0] <= d[1] for d in r)
     if not isinstance(sets, list) or not all(
-        isinstance(s, list) and all(map(_region_ok, s)) for s in sets
+        isinstance(s, list) and all(map(region_ok, s)) for s in sets
     ):
         return False
     return isinstance(items, dict) and all(

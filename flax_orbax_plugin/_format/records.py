@@ -240,7 +240,6 @@ def files_field(obj: Mapping, where: str) -> dict[str, str]:
     return dict(files)
 
 
-MAX_JSON_BYTES = _local_files.METADATA.max_bytes  # every kind's limits: _storage/local_files.py
 MAX_NDIM = 64
 MAX_ARRAY_BYTES = 1 << 50  # 1 PiB: larger "arrays" are damage, not data
 MAX_PROCESSES = 1 << 20

@@ -91,24 +91,21 @@ Bounds = tuple[tuple[int, int], ...]  # (start, stop) per axis, in the leaf's co
 Entry = tuple[Bounds, str]  # a region and the xxh3_128 hex of its bytes
 
 
-def region_hash(data: np.ndarray) -> str:
-    """``xxh3_128`` hex of ``data``'s elements in C order as little-endian bytes."""
-    if data.dtype.byteorder == ">":
-        data = data.astype(data.dtype.newbyteorder("<"))
-    return xxhash.xxh3_128(np.ascontiguousarray(data).reshape(-1).view(np.uint8)).hexdigest()
-
-
 def region_digests(
     record: LeafRecord, writes: Iterable[tuple[tuple[slice, ...], np.ndarray]]
 ) -> list[Entry]:
-    """This process's ``(bounds, hash)`` of every region of one leaf it writes."""
+    """This process's ``(bounds, xxh3_128 hex of its elements in C order as little-endian
+    bytes)`` of every region of one leaf it writes."""
     shape = tuple(record.shape)
     out = []
     for region, data in writes:
         bounds = tuple(s.indices(n)[:2] for s, n in zip(region, shape, strict=True))
         if tuple(data.shape) != tuple(b - a for a, b in bounds):
             raise ValueError(f"leaf {record.path!r}: region {bounds} holds shape {data.shape}")
-        out.append((bounds, region_hash(data)))
+        if data.dtype.byteorder == ">":
+            data = data.astype(data.dtype.newbyteorder("<"))
+        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        out.append((bounds, xxhash.xxh3_128(flat).hexdigest()))
     return out
 
 
@@ -351,7 +348,9 @@ def reuse_files(
     except Exception as e:  # noqa: BLE001  (a failed link or copy never fails the save)
         why = str(e) if isinstance(e, Refused) else f"{type(e).__name__}: {e}"
         logger.warning("incremental save: data files are written, not reused: %s", why)
-        _undo(target, done)
+        for name in done:  # this call's own names in the staging item
+            with contextlib.suppress(OSError, CheckpointError):
+                target.delete(f"{_chunks.DATA_DIR}/{name}")
         return none
     chunks = {
         key: dataclasses.replace(seg, file=names[seg.file]) for key, (_, seg) in segments.items()
@@ -435,16 +434,13 @@ def link_file(
     try:
         dfd = links.link((_chunks.DATA_DIR,), old, (_chunks.DATA_DIR,), new, shown)
         segments = [(f"{shown} at {s.offset}", s.offset, s.length, s.crc32c) for s in live]
-        check_linked(dfd, new, shown, size, segments, _differs)
+        differs = lambda where, *_: f"{where}: its crc32c differs from its index's"
+        check_linked(dfd, new, shown, size, segments, differs)
     except BaseException:
         links.undo()
         raise
     finally:
         links.close()
-
-
-def _differs(where: str, stored: int, expected: int) -> str:
-    return f"{where}: its crc32c differs from its index's"
 
 
 def copy_file(
@@ -472,10 +468,3 @@ def copy_file(
         with contextlib.suppress(OSError):
             copier.delete(dst)
         raise
-
-
-def _undo(target: Location, names: list[str]) -> None:
-    """Removes the data files this call took (its own names in the staging item)."""
-    for name in names:
-        with contextlib.suppress(OSError, CheckpointError):
-            target.delete(f"{_chunks.DATA_DIR}/{name}")
