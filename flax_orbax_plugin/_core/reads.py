@@ -41,8 +41,8 @@ from .._like.onto_like import describe as _describe
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
+from .._zarr import chunks as _chunks
 from .._zarr import packed_reader as _packed_reader
-from .._zarr import subbyte as _subbyte
 from .._zarr.chunks import CHUNK_DIR
 
 # Reads in flight beyond the result. Small: leaves read one after another (each with
@@ -152,7 +152,7 @@ def check_claims(
 
 def _array_needed(record) -> tuple[Any, tuple[int, int]]:
     """A leaf's record as stored and the (chunk files, bytes) its claim needs."""
-    record = _subbyte.stored(record)
+    record = _chunks.stored(record)
     storage = record.storage
     itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
     needed = _chunk_files.array_claim(
@@ -370,7 +370,7 @@ def _final_value(target: Target, host: np.ndarray) -> Any:
     record, like = target.record, target.like
     kind = record.kind
     if isinstance(record.storage, BatchStorage) and record.storage.packed:
-        host = _subbyte.unpack_flat(host, record)  # a sub-byte leaf's packed bytes
+        host = _chunks.unpack_flat(host, record)  # a sub-byte leaf's packed bytes
     host = host.reshape(record.shape)
     if kind == "prng_key":
         keys = jax.random.wrap_key_data(host, impl=record.impl)

@@ -23,7 +23,7 @@ from ..._errors import CheckpointNotFoundError, CorruptCheckpointError, OptionEr
 from ..._format import layout as _layout
 from ..._storage.local_inputs import local_path
 from ..._storage.untrusted import loads_json, open_regular, read_capped
-from ..._zarr import subbyte as _subbyte
+from ..._zarr import chunks as _chunks
 
 INDEX_SUFFIX = ".safetensors.index.json"
 DEFAULT_STEM = "model"
@@ -61,13 +61,13 @@ def tensor_nbytes(dtype: np.dtype, count: int) -> int | None:
 
 def pack(values: np.ndarray, bits: int) -> np.ndarray:
     """The packed bytes (uint8, flat) of ``values``: the whole tensor as one row."""
-    return _subbyte.pack_rows(np.ascontiguousarray(values).reshape(-1), bits)
+    return _chunks.pack_rows(np.ascontiguousarray(values).reshape(-1), bits)
 
 
 def unpack(data: np.ndarray, bits: int, count: int, skip: int = 0) -> np.ndarray:
     """Values ``skip .. skip + count`` (uint8 each) of the packed bytes ``data``
     (starting on a group of whole bytes: ``_zarr.subbyte.group``)."""
-    return _subbyte.unpack_rows(data, bits, count, skip, np.uint8)
+    return _chunks.unpack_rows(data, bits, count, skip, np.uint8)
 
 
 METADATA_KEY = "__metadata__"  # the header's entry of str -> str, never a tensor
