@@ -30,7 +30,6 @@ from .._errors import (
 )
 from .._format import host_copy as _host_copy
 from .._format import layout as _layout
-from .._format import metadata as _metadata
 from .._format import steps as _steps
 from .._format.layout import ArrayStorage, BatchRecord, BatchStorage, CheckpointDocument, batch_dir
 from .._format.steps import STEP_OR_NONE, read_document
@@ -487,11 +486,11 @@ def plan_of(
     return RestorePlan(where, entries, tuple(kept), dropped)
 
 
-def metadata(path: Any) -> _metadata.CheckpointMetadata:
+def metadata(path: Any) -> _layout.CheckpointMetadata:
     """``fop.metadata`` of this library's checkpoint at ``path``; reads no array data."""
     location = Location.from_path(path)
     _host.wait_for_pending_save(location)
-    return _metadata.to_public(read_document(location), str(location))
+    return _layout.to_public(read_document(location), str(location))
 
 
 def read_request(

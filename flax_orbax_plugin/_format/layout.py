@@ -5,7 +5,8 @@ here: each record read back from storage, every field checked before anything si
 it is allocated, and the JSON files of a committed step read against the checksums its
 commit recorded (never following a link). Each raises :class:`CorruptCheckpointError`
 naming the file and the field; where no commit lists a place, the words for it are
-``steps``'. Any thread.
+``steps``'. Last, the frozen result types of :func:`flax_orbax_plugin.metadata`, made
+from the records. Any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.layout``.
 """
@@ -558,3 +559,43 @@ def read_listed_document(location: Location, listed: dict[str, str]) -> Checkpoi
     raw = read_listed(location, METADATA_FILE, listed=listed)
     doc = document_from_json(_local_files.parse(raw, where, _local_files.METADATA), where)
     return dataclasses.replace(doc, listed=listed)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafMetadata:
+    """What is known about one saved leaf without reading its data."""
+
+    path: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str | None
+    sharding: dict[str, Any] | None
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointMetadata:
+    """Result of :func:`flax_orbax_plugin.metadata`: the leaves of a checkpoint.
+
+    ``kind``: ``"pytree"``, or the kind of a step's item that holds a JSON value
+    (``"json"``, ``"step"``, ``"data_iterator"``): no leaves, ``fop.restore`` returns
+    the value (``format_version`` is then the step manifest's)."""
+
+    path: str
+    format_version: int
+    created_at: float
+    process_count: int
+    leaves: dict[str, LeafMetadata]
+    kind: str = "pytree"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(leaf.nbytes for leaf in self.leaves.values())
+
+
+def to_public(doc: CheckpointDocument, path: str) -> CheckpointMetadata:
+    leaves = {
+        r.path: LeafMetadata(r.path, r.kind, r.shape, r.dtype, r.sharding, r.nbytes)
+        for r in doc.leaves
+    }
+    return CheckpointMetadata(path, doc.format_version, doc.created_at, doc.process_count, leaves)
