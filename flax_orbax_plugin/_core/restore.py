@@ -28,7 +28,6 @@ from .._errors import (
     StructureError,
     TransformError,
 )
-from .._format import host_copy as _host_copy
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import ArrayStorage, BatchRecord, BatchStorage, CheckpointDocument, batch_dir
@@ -284,7 +283,7 @@ def _read_targets_inner(location, doc: CheckpointDocument, targets: list, reques
     checked = targets + (_surgery_reads.sources(made) if made else [])
     # an item read alone (not through its manager) in a step that is one host's copy
     alone = not request.own_copy and _steps.in_host_copy(location)
-    copy = _host_copy.of_item(location) if alone else None
+    copy = _steps.of_item(location) if alone else None
     partial = [] if copy is None else copy.partial(location.name, [t.record for t in checked])
     if partial:  # one host's copy (a directory per host) never passes for the whole
         raise copy.refusal(location, partial)

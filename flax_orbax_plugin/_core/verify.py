@@ -15,7 +15,6 @@ from .._base import host as _host
 from .._base.distributed import public
 from .._base.env import Option, check
 from .._errors import CheckpointError, OptionError, OptionTypeError
-from .._format import host_copy as _host_copy
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import (
@@ -110,7 +109,7 @@ def verify(
         name, manifest = place.item.name, place.item.manifest
         number = _step_number(loc.parent)
         _no_step_chosen(loc, f"item {name!r} of a step", number, step)
-        copy, problem = _host_copy.of_step(loc.parent)
+        copy, problem = _steps.of_step(loc.parent)
         if problem is not None:
             return [VerifyResult(str(loc), number, name, False, problem)]
         return [_verify_item(loc.parent, manifest, name, number, progress, copy, budget)]
@@ -159,7 +158,7 @@ def verify_step(
     own copy is checked for that host's regions only, each result saying so in its ``note``."""
     try:
         manifest = _layout.read_manifest(step_loc)
-        copy, problem = _host_copy.of_step(step_loc)
+        copy, problem = _steps.of_step(step_loc)
     except CheckpointError as e:
         return [VerifyResult(str(step_loc), step, None, False, str(e))]
     if problem is not None:
@@ -176,7 +175,7 @@ def _verify_item(
     name: str,
     step: int | None,
     progress: Progress | None = None,
-    copy: _host_copy.HostCopy | None = None,
+    copy: _steps.HostCopy | None = None,
     budget: int = VERIFY_BUDGET_BYTES,
 ) -> VerifyResult:
     """One item of a committed step: the files its kind needs, its JSON files against the
@@ -227,7 +226,7 @@ def _verify_pytree(
     step: int | None,
     item: str | None,
     progress: Progress | None = None,
-    copy: _host_copy.HostCopy | None = None,
+    copy: _steps.HostCopy | None = None,
     *,
     budget: int = VERIFY_BUDGET_BYTES,
 ) -> VerifyResult:
@@ -247,7 +246,7 @@ def check_pytree(
     budget: int = VERIFY_BUDGET_BYTES,
     progress: Progress | None = None,
     what: str = "",
-    held: _host_copy.HeldItem | None = None,
+    held: _steps.HeldItem | None = None,
 ) -> None:
     """Checks a committed pytree as restore reads it (metadata, claimed sizes, every
     ``zarr.json``, every chunk's crc32c), at most ``budget`` bytes at a time; raises the
@@ -270,7 +269,7 @@ def _open_progress(progress: Progress | None, doc: Any, what: str, held, skipped
     if progress is None:
         return contextlib.nullcontext(None)
     total = sum(
-        _host_copy.held_bytes(
+        _steps.held_bytes(
             None if held is None else held.regions(rec),
             rec.shape,
             _layout.dtype_from_name(rec.dtype).itemsize,
