@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import errno
 import itertools
 import logging
@@ -209,12 +208,15 @@ def copy_leaf(
     nbytes: int | None = None,
 ) -> int | None:
     """Copies ``chunks`` (None: all) of leaf ``j`` of ``source`` to leaf ``i`` of ``target``
-    on the server, checked (:class:`_LeafCopy`); returns the bytes reused (``nbytes``, or
-    the leaf's), or None after deleting whatever it copied."""
+    on the server; returns the bytes reused (``nbytes``, or the leaf's), or None after
+    deleting whatever it copied. Checked first: the previous step lists exactly the
+    leaf's chunks, each of a chunk's size; then :func:`_copy_checked`. A chunk damaged
+    under its old trailer is copied as is: restore and ``verify`` say so in both steps."""
     size = chunk_file_bytes(record)
     if source.spec | {"path": ""} != target.spec | {"path": ""}:
         return None
-    leaf = _LeafCopy(copier, source, j, target, i, size)
+    src = (f"{source.path}{array_dir(j)}/{_chunks.CHUNK_DIR}/", f"{source}/d/{j}/c/")
+    dst = (f"{target.path}{array_dir(i)}/{_chunks.CHUNK_DIR}/", f"{target}/d/{i}/c/")
     every = {"/".join(parts[1:]) for parts in chunk_names(record)}
     wanted = sorted(every if chunks is None else ("/".join(p[1:]) for p in chunks))
     if not wanted:
@@ -225,10 +227,9 @@ def copy_leaf(
             record, writes, [(_chunks.CHUNK_DIR, *name.split("/")) for name in wanted]
         )
         expected = {"/".join(parts[1:]): crc for parts, crc in crcs.items()}
-        listed = leaf.check_listing(wanted, every)
+        listed = _listed(copier, src, wanted, every, size)
         started = True
-        answers = leaf.copy_all(wanted, listed, expected)
-        leaf.check_copies(wanted, listed, answers)
+        _copy_checked(copier, src, dst, listed, expected, size)
         return record.nbytes if nbytes is None else nbytes
     except Exception as e:  # noqa: BLE001  (a copier's failure never fails the save)
         why = str(e) if isinstance(e, Refused) else f"{type(e).__name__}: {e}"
@@ -238,97 +239,56 @@ def copy_leaf(
             source,
             why,
         )
-        if started:
-            _delete_copies(copier, leaf.dst_prefix, wanted)
+        if started:  # this process's copies deleted; errors ignored (the write replaces)
+            with contextlib.suppress(OSError):
+                for key in copier.list(dst[0]):
+                    if key[len(dst[0]) :] in expected:
+                        copier.delete(key)
         return None
 
 
-@dataclasses.dataclass(frozen=True)
-class _LeafCopy:
-    """The copies of one leaf's chunks (``size`` bytes each), made and checked in order
-    (:meth:`check_listing`, :meth:`copy_all`, :meth:`check_copies`): the previous step
-    lists exactly the leaf's chunks; each copy is pinned to the object listed (S3
-    ``If-Match``, GCS generation); each source's crc32c trailer is the snapshot's; each
-    copy's answer and listing carry the source's size and tag (:func:`_same_copy`). A
-    chunk damaged under its old trailer is copied as is: restore and ``verify`` say so."""
+def _listed(copier, src: tuple, wanted: list[str], every: set[str], size: int) -> dict:
+    """``{chunk name: listed object}`` of each chunk ``wanted``, every one listed under
+    ``src`` (key prefix, shown prefix) with a chunk's ``size``, and no chunk not in ``every``."""
+    listed = {k[len(src[0]) :]: v for k, v in copier.list(src[0]).items()}
+    for name in wanted:
+        info = listed.get(name)
+        if info is None:
+            raise Refused(f"{src[1]}{name}: missing")
+        if info.size != size:
+            raise Refused(f"{src[1]}{name}: expected {size} bytes (one chunk), found {info.size}")
+    extra = sorted(set(listed) - every)
+    if extra:
+        raise Refused(f"{src[1]}{extra[0]}: not a chunk of this leaf")
+    return {name: listed[name] for name in wanted}
 
-    copier: _server_copy.Copier
-    source: Location
-    j: int
-    target: Location
-    i: int
-    size: int
 
-    @property
-    def src_prefix(self) -> str:
-        return f"{self.source.path}{array_dir(self.j)}/{_chunks.CHUNK_DIR}/"
+def _copy_checked(copier, src: tuple, dst: tuple, listed: dict, expected: dict, size: int) -> None:
+    """Copies each ``listed`` chunk (``src``, ``dst``: (key prefix, shown prefix)), pinned to
+    the object listed (S3 ``If-Match``, GCS generation), its source's crc32c trailer first
+    checked to be ``expected``'s; then a listing shows each copy as :func:`_same_copy` asks."""
 
-    @property
-    def dst_prefix(self) -> str:
-        return f"{self.target.path}{array_dir(self.i)}/{_chunks.CHUNK_DIR}/"
+    def check_and_copy(name: str) -> _server_copy.ObjectInfo:
+        info = listed[name]
+        tail = copier.read_range(src[0] + name, size - CRC_BYTES, size, info)
+        stored = int.from_bytes(tail, "little")
+        if stored != expected[name]:
+            raise Refused(not_the_snapshot(f"{src[1]}{name}", stored, expected[name]))
+        return copier.copy(src[0] + name, dst[0] + name, info)
 
-    def check_listing(
-        self, wanted: list[str], every: set[str]
-    ) -> dict[str, _server_copy.ObjectInfo]:
-        """``{chunk name: listed object}``: every chunk ``wanted``, a chunk's size, no other."""
-        source, j, size, src_prefix = self.source, self.j, self.size, self.src_prefix
-        listed = {k[len(src_prefix) :]: v for k, v in self.copier.list(src_prefix).items()}
-        for name in wanted:
-            info = listed.get(name)
-            if info is None:
-                raise Refused(f"{source}/d/{j}/c/{name}: missing")
-            if info.size != size:
-                raise Refused(
-                    f"{source}/d/{j}/c/{name}: expected {size} bytes (one chunk), found {info.size}"
-                )
-        extra = sorted(set(listed) - every)
-        if extra:
-            raise Refused(f"{source}/d/{j}/c/{extra[0]}: not a chunk of this leaf")
-        return listed
-
-    def copy_all(
-        self,
-        wanted: list[str],
-        listed: dict[str, _server_copy.ObjectInfo],
-        expected: dict[str, int],
-    ) -> dict[str, _server_copy.ObjectInfo]:
-        """Each chunk's copy answer, its source's crc32c trailer checked first."""
-        copier, size = self.copier, self.size
-        src_prefix, dst_prefix = self.src_prefix, self.dst_prefix
-
-        def check_and_copy(name: str) -> _server_copy.ObjectInfo:
-            info = listed[name]
-            tail = copier.read_range(src_prefix + name, size - CRC_BYTES, size, info)
-            stored = int.from_bytes(tail, "little")
-            if stored != expected[name]:
-                raise Refused(
-                    not_the_snapshot(f"{self.source}/d/{self.j}/c/{name}", stored, expected[name])
-                )
-            return copier.copy(src_prefix + name, dst_prefix + name, info)
-
-        with concurrent.futures.ThreadPoolExecutor(
-            min(COPIES_IN_FLIGHT, len(wanted)), thread_name_prefix="fop-copy"
-        ) as pool:
-            futures = {name: pool.submit(check_and_copy, name) for name in wanted}
-            return {name: f.result() for name, f in futures.items()}  # first error raised
-
-    def check_copies(
-        self,
-        wanted: list[str],
-        listed: dict[str, _server_copy.ObjectInfo],
-        answers: dict[str, _server_copy.ObjectInfo],
-    ) -> None:
-        """A listing of the new keys shows each copy as :func:`_same_copy` requires."""
-        dst_prefix = self.dst_prefix
-        copied = {k[len(dst_prefix) :]: v for k, v in self.copier.list(dst_prefix).items()}
-        for name in wanted:
-            want, answer, seen = listed[name], answers[name], copied.get(name)
-            if not _same_copy(want, answer, seen):
-                raise Refused(
-                    f"{self.target}/d/{self.i}/c/{name}: the copy is not the same object as "
-                    f"{self.source}/d/{self.j}/c/{name} (source {want}, copy {answer}, "
-                    f"listed {seen})"
-                )
+    with concurrent.futures.ThreadPoolExecutor(
+        min(COPIES_IN_FLIGHT, len(listed)), thread_name_prefix="fop-copy"
+    ) as pool:
+        futures = {name: pool.submit(check_and_copy, name) for name in listed}
+        answers = {name: f.result() for name, f in futures.items()}  # first error raised
+    copied = {k[len(dst[0]) :]: v for k, v in copier.list(dst[0]).items()}
+    for name, want in listed.items():
+        answer, seen = answers[name], copied.get(name)
+        if not _same_copy(want, answer, seen):
+            raise Refused(
+                f"{dst[1]}{name}: the copy is not the same object as {src[1]}{name} (source "
+                f"{want}, copy {answer}, listed {seen})"
+            )
 
 
 def _same_copy(
@@ -343,12 +303,3 @@ def _same_copy(
         if answer.tag != source.tag:
             return False
     return not (answer.tag and listed.tag and listed.tag != answer.tag)
-
-
-def _delete_copies(copier: _server_copy.Copier, prefix: str, names: list[str]) -> None:
-    """Deletes this process's copies ``prefix + name``; errors ignored (the write replaces)."""
-    mine = set(names)
-    with contextlib.suppress(OSError):
-        for key in copier.list(prefix):
-            if key[len(prefix) :] in mine:
-                copier.delete(key)
