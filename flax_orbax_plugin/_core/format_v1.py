@@ -16,7 +16,7 @@ from .._base import host as _host
 from .._format import layout as _layout
 from .._format.layout import ArrayStorage, BatchRecord, CheckpointDocument, array_dir
 from .._incremental import reuse as _reuse
-from .._incremental.chunks import copy_leaf, link_leaf
+from .._incremental.reuse import copy_leaf, link_leaf
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files

@@ -22,9 +22,9 @@ import flax_orbax_plugin as fop
 from flax_orbax_plugin import cli
 from flax_orbax_plugin._errors import CorruptCheckpointError
 from flax_orbax_plugin._format import layout as _layout
-from flax_orbax_plugin._incremental import chunks as _copies
-from flax_orbax_plugin._incremental import chunks as _links
+from flax_orbax_plugin._incremental import reuse as _copies
 from flax_orbax_plugin._incremental import reuse as _incremental
+from flax_orbax_plugin._incremental import reuse as _links
 from flax_orbax_plugin._zarr import arrays as _arrays
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # this test module, for child processes
