@@ -348,9 +348,7 @@ class LeafRecord:
             out["value"] = self.value
         if self.kind in NO_DATA_KINDS:
             return out
-        out["shape"] = list(self.shape)
-        out["dtype"] = self.dtype
-        out["sharding"] = self.sharding
+        out.update(shape=list(self.shape), dtype=self.dtype, sharding=self.sharding)
         if self.impl is not None:
             out["impl"] = self.impl
         if isinstance(self.storage, ArrayStorage):
@@ -390,8 +388,7 @@ class BatchRecord:
         return inner
 
     def to_json(self) -> dict[str, Any]:
-        out = {"dtype": self.dtype, "process": self.process, "size": self.size}
-        out["chunk"] = self.chunk
+        out = {"dtype": self.dtype, "process": self.process, "size": self.size, "chunk": self.chunk}
         if self.codec is not None:
             out["codec"] = self.codec
         return out
