@@ -535,9 +535,8 @@ def item_checksums(manifest: StepManifest, item_dir: str) -> dict[str, str]:
 
 
 def read_listed(location: Location, name: str, *, listed: dict[str, str]) -> bytes:
-    """The bytes of the JSON file ``name`` of a committed checkpoint, checked against
-    the sha256 its commit recorded (``listed``: :func:`committed_checksums`);
-    CorruptCheckpointError when it is unlisted, missing or changed."""
+    """The JSON file ``name`` of a committed checkpoint, checked against ``listed``
+    (:func:`committed_checksums`); CorruptCheckpointError if unlisted, missing or changed."""
     where = f"{location}/{name}"
     expected = listed.get(name)
     if expected is None:

@@ -475,13 +475,10 @@ class ItemEntry:
 
 @dataclasses.dataclass(frozen=True)
 class StepManifest:
-    """``<step>/_CHECKPOINT.json``: the one commit of a manager step.
-
-    ``files``: the sha256 of every JSON file restore trusts, by path in the step;
-    ``tree_digest``: the digest all processes agreed on; ``bytes_written`` and
-    ``bytes_reused`` (one-process steps only): informational; ``lane``: the
-    :data:`LANES` lane the step was saved in, which retention goes by in a later run.
-    """
+    """``<step>/_CHECKPOINT.json``: the one commit of a manager step. ``files``: the sha256
+    of every JSON file restore trusts, by path in the step; ``tree_digest``: the digest all
+    processes agreed on; ``bytes_written``, ``bytes_reused`` (one process): informational;
+    ``lane``: the :data:`LANES` lane the step was saved in (retention goes by it later)."""
 
     step: int
     items: dict[str, ItemEntry]

@@ -55,7 +55,6 @@ DIGEST_ALGORITHM = "xxh3_128r"  # a hash over (region bounds, xxh3_128 of its by
 class Reuse:
     """Incremental save of one pytree item: record leaf digests and reuse the unchanged
     leaves of ``item`` in ``previous_step`` (None for the first step: digests only).
-
     ``op``: the key-value name of the region hash exchange, drawn on the training thread
     in the same order on every process; None with several processes: nothing reused."""
 
@@ -709,9 +708,8 @@ def link_file(
     size: int,
     live: list[_chunks.Segment],
 ) -> None:
-    """Hard-links ``data/<old>`` of ``source`` as ``data/<new>`` of ``target`` (no symlink
-    followed), then checks it (size, every ``live`` segment's crc32c); raises after
-    unlinking it on any failure."""
+    """Hard-links ``data/<old>`` of ``source`` as ``data/<new>`` of ``target`` (no link
+    followed), checked (size, each ``live`` segment's crc32c); raises after unlinking it."""
     os.makedirs(target.path, exist_ok=True)  # another process may not have yet
     links, shown = _Links(source, target), f"{source}/data/{old}"
     try:

@@ -410,9 +410,8 @@ def _read_file(path: str, name: str, parts: list[np.ndarray]) -> None:
 
 
 def _read_ranges(path: str, name: str, expected: int, ranges: list) -> None:
-    """Fills the parts of each ``(offset, parts)`` of ``ranges`` from the file at ``path``,
-    a regular file (never a link) of exactly ``expected`` bytes; several ranges are read
-    without readahead."""
+    """Fills each ``(offset, parts)`` of ``ranges`` from the regular file (never a link) at
+    ``path`` of exactly ``expected`` bytes; several ranges are read without readahead."""
     _env.fail_point("read_chunk")
     try:
         # O_NONBLOCK: a FIFO in the checkpoint's place never blocks (refused below)

@@ -348,9 +348,8 @@ def index_from_json(obj: Any, where: str, process: int) -> DataIndex:
 def read_index(
     location: Location, process: int, *, listed: dict[str, str] | None = None
 ) -> DataIndex:
-    """The data index of ``process`` at ``location``, checked against the sha256 its
-    commit recorded (``listed``: when read already), every field validated. Every
-    reader of an index reads it here."""
+    """The data index of ``process`` at ``location``, checked against the sha256 its commit
+    recorded (``listed``: when read already), every field validated; every reader's."""
     name = index_name(process)
     where = f"{location}/{name}"
     if listed is None:
@@ -456,8 +455,7 @@ class _Job:
 
 class _DeferredPool:
     """The reader's pool on an object store: jobs queue until one is waited for; then the
-    fetch plan is made and the jobs up to it, and :data:`AHEAD_BYTES` after, start in
-    order. Calling thread only."""
+    plan is made and the jobs up to it and :data:`AHEAD_BYTES` after start. Calling thread."""
 
     def __init__(self, pool, ranges: RangeReads, chunks: dict[str, _chunks.Segment]):
         self._pool = pool

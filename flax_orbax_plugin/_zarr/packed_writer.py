@@ -245,9 +245,8 @@ class ChunkFileWriter(ChunkWriter):
             os.close(fd)
 
     def _write_direct(self, fd: int, first: np.ndarray) -> int:
-        """Writes the page-aligned head of ``first`` with ``O_DIRECT`` (no page cache copy: a
-        tenth of a buffered write's system time); returns the bytes written. A filesystem
-        refusing it turns it off."""
+        """Writes ``first``'s page-aligned head with ``O_DIRECT`` (a tenth of a buffered
+        write's system time); returns the bytes written. A refusing filesystem turns it off."""
         skip, head = direct_span(first)  # its whole pages, when it starts on a page
         if skip or not head:
             return 0
