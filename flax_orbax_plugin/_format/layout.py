@@ -508,13 +508,8 @@ def read_item_json(item_loc: Location, name: str) -> object:
     manifest = manifest_for_item(item_loc)
     if manifest is None:
         raise CorruptCheckpointError(f"{where}: not inside a committed step")
-    expected = manifest.files.get(f"{item_loc.name}/{name}")
-    if expected is None:
-        raise CorruptCheckpointError(f"{where}: the step manifest records no checksum for it")
-    raw = item_loc.read_bytes(name)
-    if raw is None:
-        raise CorruptCheckpointError(f"{where} is missing (the step manifest lists it)")
-    return _local_files.parse(_checked(raw, where, expected), where, _local_files.JSON_ITEM)
+    raw = read_listed(item_loc, name, listed=item_checksums(manifest, item_loc.name))
+    return _local_files.parse(raw, where, _local_files.JSON_ITEM)
 
 
 def committed_checksums(location: Location) -> dict[str, str] | None:
@@ -541,8 +536,8 @@ def read_listed(location: Location, name: str, *, listed: dict[str, str]) -> byt
     expected = listed.get(name)
     if expected is None:
         raise CorruptCheckpointError(
-            f"{where}: the commit records no checksum for it (the item is not a "
-            f"pytree, or the file list was damaged)"
+            f"{where}: the commit records no checksum for it (not a file of this item, "
+            f"or the file list was damaged)"
         )
     raw = location.read_bytes(name)
     if raw is None:
