@@ -119,15 +119,12 @@ def _advise_batches(top: str) -> None:
 
 
 def _advise(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):  # a hint: a failure is the later read's to report
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
+        try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-    finally:
-        os.close(fd)
+        finally:
+            os.close(fd)
 
 
 def usable(location: Any) -> bool:
