@@ -419,25 +419,21 @@ def one_level_down(location: Location, names: list[str], *, runs_only: bool = Fa
     for name in [n for n in names if kinds is None or kinds.get(n) == "dir"][:MAX_PROBED]:
         try:
             child = location.child(name)
-            what = _what_child_is(child)
+            if child.exists(COMMIT_FILE):
+                what = "a checkpoint of one pytree"
+            elif child.exists(MANIFEST_FILE):
+                what = "a step of a run directory"
+            elif (latest := list_directory(child).latest) is not None:
+                what = f"a run directory of CheckpointManager, latest step {latest}"
+            elif any(child.exists(n) for n in RECORD_NAMES):
+                what = "a run directory of CheckpointManager, no committed step yet"
+            else:
+                continue
         except (CheckpointError, OSError, ValueError):
             continue  # a link, an odd name, an unreadable entry: not pointed at
-        if what is not None and (not runs_only or what.startswith("a run directory")):
+        if not runs_only or what.startswith("a run directory"):
             found.append(f"{child} ({what})")
     return found
-
-
-def _what_child_is(child: Location) -> str | None:
-    if child.exists(COMMIT_FILE):
-        return "a checkpoint of one pytree"
-    if child.exists(MANIFEST_FILE):
-        return "a step of a run directory"
-    latest = list_directory(child).latest
-    if latest is not None:
-        return f"a run directory of CheckpointManager, latest step {latest}"
-    if any(child.exists(n) for n in RECORD_NAMES):
-        return "a run directory of CheckpointManager, no committed step yet"
-    return None
 
 
 def _run_directory_message(location: Location, listing: Listing | None) -> str:
