@@ -298,9 +298,7 @@ class PackedWriter(ChunkWriter):
         self._location = location
         self._process = int(process)
         default = LOCAL_DATA_FILE_BYTES if location.is_local else OBJECT_DATA_FILE_BYTES
-        self._target = int(target_bytes or default)
-        if self._target < 1:
-            raise ValueError(f"data_file_bytes: expected a positive size, found {self._target}")
+        self._target = int(target_bytes or default)  # fop.save's data_file_bytes (checked >= 1)
         self._lock = threading.Lock()
         self._files: dict[str, int] = {}  # name -> bytes handed out
         self._fds: dict[str, int] = {}
