@@ -226,8 +226,7 @@ _MSGPACK_STEP = re.compile(r"^[A-Za-z_]*checkpoint_[0-9]+$")
 
 
 def foreign_run(loc: Location) -> str | None:
-    """What ``loc`` holds, in words, when it is another library's run (an Orbax run, Flax
-    msgpack ``checkpoint_<n>`` files); None otherwise."""
+    """What ``loc`` holds, in words, if another library's run (Orbax, msgpack checkpoint_<n>)."""
     try:
         if not loc.is_dir():
             return None

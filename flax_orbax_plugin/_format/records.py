@@ -367,8 +367,7 @@ class LeafRecord:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BatchRecord:
-    """A 1-D zarr3 array ``b/<name>/`` holding small leaves of one dtype, written by one
-    process; ``chunk`` elements per stored file."""
+    """1-D zarr3 array ``b/<name>/``: one process's small leaves of a dtype; ``chunk`` per file."""
 
     name: str
     dtype: str

@@ -145,8 +145,7 @@ def environmental(error: BaseException) -> bool:
 
 
 def warn_unreadable(loc: Location, step: int, why: _W) -> _W:
-    """Warns that an environmental error ``why`` kept step ``step`` of ``loc`` shut, so it
-    was skipped for the latest. Returns ``why``."""
+    """Warns that an environmental error ``why`` kept ``loc``'s step ``step`` shut; returns it."""
     text = str(why)
     text = text if text.startswith("cannot be read") else f"cannot be read: {text}"
     warnings.warn(
@@ -412,8 +411,7 @@ def folder_inside(location: Location) -> str | None:
 
 
 def one_level_down(location: Location, names: list[str], *, runs_only: bool = False) -> list[str]:
-    """Runs and checkpoints (``runs_only``: runs) of ours among the first
-    :data:`MAX_PROBED` children."""
+    """Runs and checkpoints of ours (``runs_only``: runs) in the first :data:`MAX_PROBED`."""
     kinds = location.child_kinds() if location.is_local else None
     found = []
     for name in [n for n in names if kinds is None or kinds.get(n) == "dir"][:MAX_PROBED]:
@@ -730,8 +728,7 @@ class HeldItem:
         return self.copy.regions(self.name, record.path, record.shape)
 
     def skipped_batches(self, doc: Any) -> set[str]:
-        """The batches with a leaf this copy does not hold whole (a host writes a batch only
-        when it holds all of its leaves)."""
+        """Batches with a leaf not held whole here (a host writes a batch only if it holds all)."""
         return {
             rec.storage.batch
             for rec in doc.leaves
@@ -769,6 +766,5 @@ def of_step(step_loc: Location) -> tuple[HostCopy | None, str | None]:
 
 
 def of_item(item_loc: Location) -> HostCopy | None:
-    """:func:`of_step` of the step holding ``item_loc`` (None where the marker is unreadable:
-    the item is then read as any)."""
+    """:func:`of_step` of ``item_loc``'s step (None where its marker is unreadable: read as any)."""
     return of_step(item_loc.parent)[0]

@@ -113,8 +113,8 @@ def region_digests(
 
 
 def leaf_digest(entries: Iterable[Entry]) -> str:
-    """``"xxh3_128r:<hex>"``: XXH3-128 of the sorted lines ``start:stop,...=<hash>\n``
-    of every process's ``entries`` (FORMAT.md)."""
+    """``xxh3_128r:<hex>``: XXH3-128 of the sorted lines ``start:stop,...=<hash>`` of every
+    process's ``entries`` (FORMAT.md)."""
     lines = sorted((tuple(tuple(map(int, ab)) for ab in b), h) for b, h in entries)
     hasher = xxhash.xxh3_128()
     for bounds, h in lines:

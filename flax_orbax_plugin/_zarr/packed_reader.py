@@ -359,8 +359,7 @@ def read_index(
 
 
 def _check_disjoint(chunks: dict[str, Segment], where: str) -> None:
-    """Segments do not overlap (FORMAT.md): two keys sharing bytes would restore one
-    chunk's bytes as another's, each passing its crc32c."""
+    """Segments do not overlap (FORMAT.md): shared bytes would pass as two chunks' crc32c."""
     by_file: dict[str, list[tuple[int, int, str]]] = {}
     for key, s in chunks.items():
         by_file.setdefault(s.file, []).append((s.offset, s.offset + s.length, key))
@@ -406,8 +405,7 @@ def _array_chunks(raw: Any, chunks: dict[str, Segment], bad) -> dict[str, str]:
 
 
 def merge(indexes: list[DataIndex], where: str) -> tuple[dict[str, Segment], dict[str, str]]:
-    """Every process's chunks and stored dtypes, one mapping each; a chunk listed twice,
-    or two dtypes for one array, is damage."""
+    """Every process's chunks and dtypes, merged; a chunk listed twice or two dtypes is damage."""
     chunks: dict[str, Segment] = {}
     dtypes: dict[str, str] = {}
     for index in indexes:
@@ -519,8 +517,7 @@ class _Range:
 
 
 def plan_file(file: str, items: list, size: int) -> list[_Range]:
-    """The ranges that fetch ``items`` [(offset, length, key)] (sorted, any repeats
-    dropped) of data file ``file`` of ``size`` bytes."""
+    """The ranges fetching ``items`` [(offset, length, key)], sorted, of ``file`` (``size``)."""
     needed = sum(length for _, length, _ in items)
     if size and needed >= WHOLE_FRACTION * size:
         return [_Range(file, items, whole=size)]
@@ -562,8 +559,7 @@ class RangeReads:
                     self._seq.setdefault(key, len(self._seq))
 
     def plan(self) -> None:
-        """Plans every key wanted since the last plan; starts its ranges' fetches in the
-        order needed, as many as :data:`FETCH_BYTES` allows."""
+        """Plans the keys wanted since; starts their ranges in order, within :data:`FETCH_BYTES`."""
         with self._lock:
             wanted, self._wanted = self._wanted, collections.Counter()
             by_file: dict[str, list] = collections.defaultdict(list)

@@ -312,8 +312,7 @@ class PackedWriter(ChunkWriter):
         self._chunks: dict[str, _chunks.Segment] = {}
 
     def adopt(self, files: dict[str, int], chunks: dict[str, _chunks.Segment]) -> None:
-        """Lists data files taken from the previous step (name -> size) and their segments,
-        before any write; new chunks go to files after them."""
+        """Lists data files (name -> size) and segments from the previous step, before any write."""
         with self._lock:
             if self._files:
                 raise ValueError("adopt() comes before the first chunk")
@@ -321,8 +320,7 @@ class PackedWriter(ChunkWriter):
             self._chunks.update(chunks)
 
     def encoded(self, sub: str, spec: dict[str, Any], writes: list) -> concurrent.futures.Future:
-        """Starts writing ``writes`` (regions of whole chunks of ``sub``, values) compressed
-        as ``spec`` says: one segment per chunk."""
+        """Starts writing ``writes`` (whole-chunk regions of ``sub``) as ``spec`` compresses."""
         if self._encoder is None:  # the process's priority: the codecs start threads
             self._encoder = concurrent.futures.ThreadPoolExecutor(
                 _chunks.THREADS, thread_name_prefix="fop-encode"
