@@ -181,8 +181,7 @@ def safetensors_source(path: Any) -> str | list[str] | None:
 
 
 def refuse_foreign_run(loc: Location, *, writing: bool) -> None:
-    """Raises CheckpointError, naming what to do instead, when a manager is opened on
-    another library's run (:func:`foreign_run`) to write or to read."""
+    """Raises CheckpointError, saying what to do instead, for a manager on another library's run."""
     held = foreign_run(loc)
     if held is None:
         return

@@ -380,8 +380,7 @@ def text_bytes(value: str, on_error) -> bytes:
 
 
 def _shallow(value: Any, *, depth: int = 4, values: int = 1000) -> bool:
-    """Whether a JSON value nests at most ``depth`` levels and holds at most ``values``
-    values (a sharding description is small; walked without recursion)."""
+    """Whether a JSON value nests at most ``depth`` levels and ``values`` values (no recursion)."""
     stack, seen = [(value, 0)], 0
     while stack:
         x, level = stack.pop()

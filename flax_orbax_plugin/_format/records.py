@@ -510,8 +510,7 @@ class StepManifest:
 
 @dataclasses.dataclass(frozen=True)
 class CommitMarker:
-    """``_COMMITTED`` of a standalone core checkpoint: written last; its presence is the
-    commit on object stores. Carries the sha256 of ``_METADATA.json``."""
+    """``_COMMITTED`` of a core checkpoint: written last (its presence commits on object stores)."""
 
     files: dict[str, str]
     committed_at: float = 0.0

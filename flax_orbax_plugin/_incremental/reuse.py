@@ -237,8 +237,7 @@ def _size(nbytes: int) -> str:
 
 
 def chunks_of(record: LeafRecord, regions: Iterable[Bounds]) -> list[tuple[str, ...]] | None:
-    """The chunk files ``regions`` cover, sorted; None when a region is not on chunk
-    boundaries (its chunks are shared: written, never reused)."""
+    """The chunk files ``regions`` cover, sorted; None if one is off chunk boundaries."""
     chunk, shape = record.storage.chunk_shape, tuple(record.shape)
     out: set[tuple[str, ...]] = set()
     for bounds in regions:
