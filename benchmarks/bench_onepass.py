@@ -162,8 +162,8 @@ def copy_checksum_phases(mib: int, repeats: int) -> dict:
 
     from flax_orbax_plugin._base import buffer_pool
     from flax_orbax_plugin._base import host as H
+    from flax_orbax_plugin._zarr import chunks as C
     from flax_orbax_plugin._zarr import chunks as Z
-    from flax_orbax_plugin._zarr import crcs as C
 
     arrays = _arrays(mib)
     pool = buffer_pool.BufferPool()
@@ -250,7 +250,7 @@ def kernel_rates(repeats: int, mib: int = 256) -> dict:
     import numpy as np
     from crc32c import crc32c
 
-    from flax_orbax_plugin._zarr import crcs as Z
+    from flax_orbax_plugin._zarr import chunks as Z
 
     src = np.random.default_rng(2).integers(0, 256, mib << 20, dtype=np.uint8)
     dst = np.empty_like(src)
@@ -303,7 +303,7 @@ def steady_saves(mib: int, repeats: int, directory: str) -> dict:
     from flax_orbax_plugin._core import host_snapshot as S
 
     state = {"params": {f"w{i}": jax.numpy.asarray(a) for i, a in enumerate(_arrays(mib))}}
-    from flax_orbax_plugin._zarr import crcs as Z
+    from flax_orbax_plugin._zarr import chunks as Z
 
     default, kernel = S.ONE_PASS, Z._copycrc
     ways = [("one pass off", False, kernel), ("one pass on", True, kernel)]

@@ -99,7 +99,7 @@ def save_cpu(state, repeats: int, directory: str) -> dict:
 def write_files(nbytes: int, directory: str, repeats: int) -> dict:
     import numpy as np
 
-    from flax_orbax_plugin._zarr import crcs as _crcs
+    from flax_orbax_plugin._zarr import chunks as _crcs
 
     chunk = 4 << 20
     n = nbytes // chunk

@@ -32,7 +32,7 @@ from ._errors import (
     UnsupportedLocationError,
     UnsupportedRuntimeError,
 )
-from ._format.metadata import CheckpointMetadata, LeafMetadata
+from ._format.layout import CheckpointMetadata, LeafMetadata
 from ._interop.hf_shards import HFShards
 from ._interop.importing import import_msgpack, import_orbax
 from ._interop.msgpack_reader import restore_msgpack

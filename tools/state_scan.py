@@ -87,7 +87,7 @@ ALLOWED_STATE: dict[tuple[str, str], str] = {
 SEAM = (
     "flax_orbax_plugin._core.formats",
     "flax_orbax_plugin._core.format_v1",  # version 1's Format, at the seam's edge
-    "flax_orbax_plugin._format.layout.",
+    "flax_orbax_plugin._format.layout",
     "flax_orbax_plugin._zarr.",
 )
 

@@ -16,12 +16,10 @@ from .._base import host as _host
 from .._format import layout as _layout
 from .._format.layout import ArrayStorage, BatchRecord, CheckpointDocument, array_dir
 from .._incremental import reuse as _reuse
-from .._incremental.copies import copy_leaf
-from .._incremental.links import link_leaf
+from .._incremental.reuse import copy_leaf, link_leaf
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
-from .._zarr import chunk_writer as _chunk_writer
 from .._zarr import packed_writer as _packed_writer
 from . import host_snapshot as _host_snapshot
 from . import reads as _reads
@@ -121,7 +119,7 @@ def write_data(
     linking = [(leaf, spec) for leaf, spec in arrays if leaf.index in links and leaf.writes]
     linker, linked = _start_links(staging, linking, links)
     # local plain arrays and batches: ChunkFileWriter; the rest, or a region it declines: ts
-    writer = _chunk_writer.ChunkFileWriter(staging.path) if _chunk_files.usable(staging) else None
+    writer = _packed_writer.ChunkFileWriter(staging.path) if _chunk_files.usable(staging) else None
     jobs = [
         _array_job(leaf, spec, writer)
         for leaf, spec in arrays

@@ -23,7 +23,6 @@ from .._base.keywords import refuse_without
 from .._errors import CorruptCheckpointError
 from .._format import layout as _layout
 from .._format.layout import BatchRecord, CheckpointDocument
-from .._incremental import packed
 from .._incremental import reuse as _reuse
 from .._storage.location import Location
 from .._zarr import chunks as _chunks
@@ -196,7 +195,7 @@ class DataFiles:
         return write_packed(location, leaves, snap, reuse)
 
     def reuser(self, location: Location) -> Any:
-        return _reuse.reuser(location, link=packed.link_file, copy=packed.copy_file)
+        return _reuse.reuser(location, link=_reuse.link_file, copy=_reuse.copy_file)
 
     def wrote(self, doc: CheckpointDocument) -> bool:
         return doc.format_version == 2
@@ -281,13 +280,13 @@ def _files_reuse(location: Location, way, source: Location, unchanged: list):
     if not unchanged:
         return None
     leaves = {
-        leaf.index: packed.Unchanged(
+        leaf.index: _reuse.Unchanged(
             j, leaf.record, chunks, leaf.writes, sum(d.nbytes for _, d in leaf.writes)
         )
         for leaf, j, chunks in unchanged
     }
     process = _distributed.process_index()
-    return functools.partial(packed.reuse_files, way, source, location, process, leaves)
+    return functools.partial(_reuse.reuse_files, way, source, location, process, leaves)
 
 
 # -- the names a checkpoint's files have (both formats) --------------------------------

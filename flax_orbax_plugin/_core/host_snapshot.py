@@ -31,10 +31,7 @@ from .._format.layout import ArrayStorage, BatchRecord, BatchStorage, array_dir,
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunks as _chunks
-from .._zarr import crcs as _crcs
-from .._zarr import packed_codec as _codec
 from .._zarr import packed_writer as _packed_writer
-from .._zarr import subbyte as _subbyte
 from . import device_copy as _device_copy
 from .handle import raise_if_cancelled
 
@@ -168,7 +165,7 @@ def _is_small(leaf) -> bool:
 # Each chunk checksummed as it is copied into the pool, where the C kernel is built
 # (benchmarks/results/onepass_kernel.json: a save's CPU 0.376 -> 0.263 s per 1.2 GB);
 # in Python the one pass would lengthen the blocking phase (0.132 -> 0.213 s).
-ONE_PASS = _crcs.has_kernel()
+ONE_PASS = _chunks.has_kernel()
 
 
 def _summed(leaf):
@@ -235,7 +232,7 @@ def _copy_small(storage: BatchStorage, source, batch_data, pieces, ends, pool) -
     name = storage.batch
     off, size = storage.offset, storage.size
     if storage.packed:  # a sub-byte leaf: its packed bytes (a new array)
-        source = _subbyte.pack_flat(np.asarray(source))
+        source = _chunks.pack_flat(np.asarray(source))
     if pool is None:
         if isinstance(source, jax.Array):
             host = _host_copy(source, None)
@@ -288,7 +285,7 @@ def _pooled(pool: BufferPool, host: np.ndarray, rows, later: list, summed) -> np
     for piece in pieces(rows, shape[0], chunk[0], row_bytes, _host.COPY_PIECE):
         at = slice((piece[0].start or 0) - start, (piece[0].stop or shape[0]) - start)
         copier = functools.partial(
-            _crcs.copy_with_crcs, shape=shape, chunk=chunk, index=piece, out=crcs
+            _chunks.copy_with_crcs, shape=shape, chunk=chunk, index=piece, out=crcs
         )
         later.append((out[at], host[at], copier))
     return out
@@ -510,7 +507,7 @@ def write_packed(
     dtypes = {batch_dir(name): b.dtype for name, b in batches.items()}  # as stored
     for leaf in leaves:
         if isinstance(leaf.record.storage, ArrayStorage):
-            dtypes[array_dir(leaf.index)] = _subbyte.stored(leaf.record).dtype
+            dtypes[array_dir(leaf.index)] = _chunks.stored(leaf.record).dtype
     name, raw = writer.write_index(dtypes)
     return pending.written, {name: sha256(raw)}, 0 if taken is None else taken.nbytes
 
@@ -535,7 +532,7 @@ def _packed_jobs(writer: _packed_writer.PackedWriter, taken, leaves, batches, ba
     for name, batch in batches.items():  # each compressed batch encoded whole in memory
         if batch.codec is not None and name in batch_data:
             data = _assembled(batch_data.pop(name))
-            spec = _arrays.batch_spec(_codec.MEMORY, batch)
+            spec = _arrays.batch_spec(_arrays.MEMORY, batch)
             sub = batch_dir(name)
             write = lambda index, data, sub=sub, spec=spec: [
                 writer.encoded(sub, spec, [(index, data)])
@@ -549,7 +546,7 @@ def _direct(writer: _packed_writer.PackedWriter, leaf):
     chunk = record.storage.chunk_shape
     spec = None
     if record.storage.codec is not None:
-        spec = _arrays.leaf_spec(_codec.MEMORY, leaf.index, record)
+        spec = _arrays.leaf_spec(_arrays.MEMORY, leaf.index, record)
 
     def write(index, data):
         sub = array_dir(leaf.index)

@@ -24,7 +24,6 @@ import tensorstore as ts
 from .._base import distributed as _distributed
 from .._base import env as _env
 from .._errors import CheckpointError, ForeignEntryError
-from .._format import describe as _describe
 from .._format import steps as _steps
 from .._format.layout import (
     COMMIT_FILE,
@@ -126,7 +125,7 @@ def require_ours(loc: Location, *, action: str, step: int | None = None) -> str:
         raise ForeignEntryError(
             f"refusing to {action} {loc}: expected a checkpoint or step this library "
             f"created (our manifest, commit marker or pending marker), found none "
-            f"({_describe.contents(loc)}); nothing was changed"
+            f"({_steps.contents(loc)}); nothing was changed"
         )
     return found
 
@@ -164,7 +163,7 @@ def check_slot(loc: Location, *, what: str, replace: bool, take_empty: bool = Tr
     if found is None:
         raise ForeignEntryError(
             f"cannot write {what} at {loc}: something this library did not create as a "
-            f"checkpoint is there ({_describe.contents(loc)}); it is left alone. Move it "
+            f"checkpoint is there ({_steps.contents(loc)}); it is left alone. Move it "
             f"away or choose another path"
         )
     if found == "pending marker":

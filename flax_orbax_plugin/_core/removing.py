@@ -19,7 +19,7 @@ import tensorstore as ts
 
 from .._base import env as _env
 from .._errors import CheckpointError, ForeignEntryError
-from .._format import describe as _describe
+from .._format import steps as _steps
 from .._format.layout import MANIFEST_FILE, PENDING_FILE
 from .._storage import deleting as _deleting
 from .._storage.location import Location
@@ -54,7 +54,7 @@ def remove_if_ours(loc: Location, *, what: str) -> bool:
             "checkpoint: %s %s left alone: nothing in it proves this library wrote it (%s)",
             what,
             loc,
-            _describe.contents(loc),
+            _steps.contents(loc),
         )
         return False
     logger.info("checkpoint: removing %s %s", what, loc)

@@ -28,9 +28,7 @@ from .._errors import (
     StructureError,
     TransformError,
 )
-from .._format import host_copy as _host_copy
 from .._format import layout as _layout
-from .._format import metadata as _metadata
 from .._format import steps as _steps
 from .._format.layout import ArrayStorage, BatchRecord, BatchStorage, CheckpointDocument, batch_dir
 from .._format.steps import STEP_OR_NONE, read_document
@@ -42,7 +40,6 @@ from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
 from .._zarr import chunks as _chunks
-from .._zarr import subbyte as _subbyte
 from . import formats as _formats
 from . import surgery_reads as _surgery_reads
 from .read_agreement import agree_on_read
@@ -279,7 +276,7 @@ def _read_targets_inner(location, doc: CheckpointDocument, targets: list, reques
     checked = targets + (_surgery_reads.sources(made) if made else [])
     # an item read alone (not through its manager) in a step that is one host's copy
     alone = not request.own_copy and _steps.in_host_copy(location)
-    copy = _host_copy.of_item(location) if alone else None
+    copy = _steps.of_item(location) if alone else None
     partial = [] if copy is None else copy.partial(location.name, [t.record for t in checked])
     if partial:  # one host's copy (a directory per host) never passes for the whole
         raise copy.refusal(location, partial)
@@ -299,9 +296,9 @@ def read_region(fmt, store, target: Target, direct, region=None):
     if target.virtual is not None:  # made by surgery: ``store`` reads the saved leaves
         return _surgery_reads.VirtualRead(target.virtual, region, store)
     if _chunks.is_packed(record):
-        inner, width, skip = _subbyte.stored_region(record, region)
-        read = fmt.read_stored(store, target.index, _subbyte.stored(record), direct, inner)
-        return _subbyte.Unpacked(read, record, width, skip)
+        inner, width, skip = _chunks.stored_region(record, region)
+        read = fmt.read_stored(store, target.index, _chunks.stored(record), direct, inner)
+        return _chunks.Unpacked(read, record, width, skip)
     return fmt.read_stored(store, target.index, record, direct, region)
 
 
@@ -476,11 +473,11 @@ def plan_of(
     return RestorePlan(where, entries, tuple(kept), dropped)
 
 
-def metadata(path: Any) -> _metadata.CheckpointMetadata:
+def metadata(path: Any) -> _layout.CheckpointMetadata:
     """``fop.metadata`` of a checkpoint of this library; reads no array data."""
     location = Location.from_path(path)
     _host.wait_for_pending_save(location)
-    return _metadata.to_public(read_document(location), str(location))
+    return _layout.to_public(read_document(location), str(location))
 
 
 def read_request(

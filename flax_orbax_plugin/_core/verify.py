@@ -15,8 +15,6 @@ from .._base import host as _host
 from .._base.distributed import public
 from .._base.env import Option, check
 from .._errors import CheckpointError, OptionError, OptionTypeError
-from .._format import describe as _describe
-from .._format import host_copy as _host_copy
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import (
@@ -30,7 +28,7 @@ from .._format.layout import (
 from .._format.steps import STEP_OR_NONE, read_document
 from .._storage.location import Location
 from .._storage.store_errors import arguments, refusals
-from .._zarr import regions as _zarr_regions
+from .._zarr import chunks as _chunks
 from . import formats as _formats
 from . import reads as _reads
 from . import restore as _restore
@@ -105,7 +103,7 @@ def verify(
         name, manifest = place.item.name, place.item.manifest
         number = _step_number(loc.parent)
         _no_step_chosen(loc, f"item {name!r} of a step", number, step)
-        copy, problem = _host_copy.of_step(loc.parent)
+        copy, problem = _steps.of_step(loc.parent)
         if problem is not None:
             return [VerifyResult(str(loc), number, name, False, problem)]
         return [_verify_item(loc.parent, manifest, name, number, progress, copy, budget)]
@@ -113,7 +111,7 @@ def verify(
         _no_step_chosen(loc, "a pytree", _step_number(loc.parent), step)
         return [_verify_pytree(loc, _step_number(loc.parent), loc.name, progress, budget)]
     if place.kind != _steps.RUN or not place.listing.committed:
-        raise _describe.no_steps(place)  # says what is there instead
+        raise _steps.no_steps(place)  # says what is there instead
     committed = place.listing.committed
     chosen = committed if all_steps else [_steps.choose_step(loc, committed, step)]
     out: list[VerifyResult] = []
@@ -154,7 +152,7 @@ def verify_step(
     own copy is checked for that host's regions only, each result saying so in its ``note``."""
     try:
         manifest = _layout.read_manifest(step_loc)
-        copy, problem = _host_copy.of_step(step_loc)
+        copy, problem = _steps.of_step(step_loc)
     except CheckpointError as e:
         return [VerifyResult(str(step_loc), step, None, False, str(e))]
     if problem is not None:
@@ -218,7 +216,7 @@ def check_pytree(
     budget: int = VERIFY_BUDGET_BYTES,
     progress: Progress | None = None,
     what: str = "",
-    held: _host_copy.HeldItem | None = None,
+    held: _steps.HeldItem | None = None,
 ) -> None:
     """Checks a committed pytree as restore reads it (metadata, claimed sizes, every
     ``zarr.json``, every chunk's crc32c), at most ``budget`` bytes at a time; raises the
@@ -241,7 +239,7 @@ def _open_progress(progress: Progress | None, doc: Any, what: str, held, skipped
     if progress is None:
         return contextlib.nullcontext(None)
     total = sum(
-        _host_copy.held_bytes(
+        _steps.held_bytes(
             None if held is None else held.regions(rec),
             rec.shape,
             _layout.dtype_from_name(rec.dtype).itemsize,
@@ -271,8 +269,8 @@ def _check_data(location, doc, targets, fmt, direct, window: _Window, budget, he
             itemsize = target.dtype.itemsize
             chunk = record.storage.chunk_shape
             for span in spans or [None]:
-                for region in _zarr_regions.within(record.shape, span, chunk, itemsize, budget):
-                    nbytes = _zarr_regions.nbytes(region, record.shape, itemsize)
+                for region in _chunks.within(record.shape, span, chunk, itemsize, budget):
+                    nbytes = _chunks.nbytes(region, record.shape, itemsize)
                     read = _restore.read_region(fmt, store, target, direct, region)
                     window.submit(read, nbytes, [record.path])
         for name, batch in doc.batches.items():

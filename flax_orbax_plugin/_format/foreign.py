@@ -6,6 +6,7 @@ device is refused without blocking. Any thread.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from typing import Any
@@ -78,8 +79,7 @@ _MAX_LEGACY_PROBES = 16  # item folders looked into for a step without a record
 
 
 def legacy_step(step_loc: Location) -> bool:
-    """Whether ``step_loc`` is a step of an older orbax (no step record, but a folder in it
-    holds ``_METADATA``)."""
+    """Whether ``step_loc`` is an older orbax's step (no record; an item holds ``_METADATA``)."""
     for name in [n for n in step_loc.list_children() if n[:1] not in "._"][:_MAX_LEGACY_PROBES]:
         try:
             child = subdir(step_loc, name, "item")
@@ -120,8 +120,7 @@ def unfinished(loc: Location, record: Any) -> str | None:
 
 
 def subdir(loc: Location, name: str, role: str) -> Location | None:
-    """``loc/name`` when it is a real directory; None when it is absent or (on local
-    disk) a plain file; ForeignEntryError for a symbolic link or a special file."""
+    """``loc/name`` if a directory; None if absent or a file; ForeignEntryError for a link."""
     if not loc.is_local:
         return loc.child(name)
     try:
@@ -182,8 +181,7 @@ def safetensors_source(path: Any) -> str | list[str] | None:
 
 
 def refuse_foreign_run(loc: Location, *, writing: bool) -> None:
-    """Raises CheckpointError, naming what to do instead, when a manager is opened on
-    another library's run (:func:`foreign_run`) to write or to read."""
+    """Raises CheckpointError, saying what to do instead, for a manager on another library's run."""
     held = foreign_run(loc)
     if held is None:
         return
@@ -208,9 +206,8 @@ def refuse_foreign_run(loc: Location, *, writing: bool) -> None:
 
 
 def foreign_format_hint(loc: Location) -> str:
-    """``"; <what it is and what to do>"`` when ``loc`` holds another library's checkpoint,
-    else ``""``."""
-    try:
+    """``"; <what it is and what to do>"`` when ``loc`` is another library's, else ``""``."""
+    with contextlib.suppress(CheckpointError):
         if loc.is_local and is_msgpack_checkpoint(loc.path.rstrip("/")):
             return (
                 f"; {loc} is a Flax msgpack checkpoint: read it with fop.restore_msgpack, or "
@@ -221,8 +218,6 @@ def foreign_format_hint(loc: Location) -> str:
                 f"; {loc} is an Orbax checkpoint: fop.restore and fop.restore_params read it "
                 f"directly, `flax-orbax import` converts it into steps of this library"
             )
-    except CheckpointError:
-        pass
     return ""
 
 
@@ -230,8 +225,7 @@ _MSGPACK_STEP = re.compile(r"^[A-Za-z_]*checkpoint_[0-9]+$")
 
 
 def foreign_run(loc: Location) -> str | None:
-    """What ``loc`` holds, in words, when it is another library's run (an Orbax run, Flax
-    msgpack ``checkpoint_<n>`` files); None otherwise."""
+    """What ``loc`` holds, in words, if another library's run (Orbax, msgpack checkpoint_<n>)."""
     try:
         if not loc.is_dir():
             return None

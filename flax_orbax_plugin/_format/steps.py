@@ -1,16 +1,19 @@
 """Steps of a checkpoint directory and their manifests, what a place holds (``classify``)
-and the front of the checked reads of ``_METADATA.json`` (``read_document``). The other
-readers' and writers' words for a wrong place: ``describe``.
-
-Reads names and small files only, never following a link; safe from any thread.
+and, in words, what it holds when it is not what a caller asked for (only a failing call
+or a writer's check of its output runs those), and the checked reads of
+``_METADATA.json`` (``read_document``); last, a host's own copy of a step (its marker
+``HOST_FILE`` read and checked, and what it holds). Reads names and small files only,
+never following a link; any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.steps``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
+import math
 import os
 import re
 import warnings
@@ -22,8 +25,10 @@ from .._base.shown import outside_stacklevel
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     NotCommittedError,
 )
+from .._storage import local_files as _local_files
 from .._storage.location import Location
 from . import layout as _layout
 from .foreign import foreign_format_hint, is_msgpack_checkpoint, is_orbax_checkpoint
@@ -35,9 +40,12 @@ from .layout import (
     PENDING_FILE,
     STEP_NAME,
     STEP_RE,
+    ArrayStorage,
+    BatchStorage,
     CheckpointDocument,
     ItemEntry,
     StepManifest,
+    iterator_state_file,
     manifest_for_item,
     read_manifest,
 )
@@ -53,10 +61,9 @@ TMP_RE = re.compile(rf"^{STEP_NAME}\.(partial|deleting)-[0-9a-z]{{1,32}}$", re.A
 # The staging of a core save (``fop.save(<dir>/<name>)``), beside its target: not a step.
 SAVE_STAGING_RE = re.compile(r"^[^/]+\.(partial|deleting)-[0-9a-z]{1,32}$", re.ASCII)
 CORRUPT_RE = re.compile(rf"^{STEP_NAME}\.corrupt-[0-9a-z]{{1,32}}$", re.ASCII)
-LOCK_NAME = ".writer.lock"
-# Records of ours at the top of a directory (run owner, damaged persistent copies): never
-# steps, never foreign (named here: their writers sit above this module).
-RECORD_NAMES = frozenset({LOCK_NAME, "_RUN.json", "_DAMAGED.json"})
+# Records of ours at the top of a directory (writer lock, run owner, damaged persistent
+# copies): never steps, never foreign (named here: their writers sit above this module).
+RECORD_NAMES = frozenset({".writer.lock", "_RUN.json", "_DAMAGED.json"})
 
 
 def is_step_name(name: str) -> bool:
@@ -133,14 +140,12 @@ def committed_steps(loc: Location, listing: Listing | None = None) -> list[int]:
 
 
 def environmental(error: BaseException) -> bool:
-    """Whether ``error`` is the environment's (an OSError that is no error of this
-    library): it proves no damage, so the step it kept shut is skipped, never set aside."""
+    """Whether ``error`` is the environment's (an OSError not ours): it proves no damage."""
     return isinstance(error, OSError) and not isinstance(error, CheckpointError)
 
 
 def warn_unreadable(loc: Location, step: int, why: _W) -> _W:
-    """Warns that an environmental error ``why`` kept step ``step`` of ``loc`` shut, so it
-    was skipped for the latest. Returns ``why``."""
+    """Warns that an environmental error ``why`` kept ``loc``'s step ``step`` shut; returns it."""
     text = str(why)
     text = text if text.startswith("cannot be read") else f"cannot be read: {text}"
     warnings.warn(
@@ -181,7 +186,7 @@ def choose_step(loc: Location, steps: list[int] | tuple[int, ...], step: int | N
         raise CheckpointNotFoundError(f"no committed steps in {loc}{foreign_format_hint(loc)}")
     if step is None:
         return steps[-1]
-    step = checked_step(step)
+    step = STEP.check(step)
     if step not in steps:
         raise CheckpointNotFoundError(f"step {step} does not exist in {loc}; steps: {list(steps)}")
     return step
@@ -229,8 +234,7 @@ class StepItem:
 
 
 def step_item(location: Location) -> StepItem | None:
-    """The item of a committed step at ``location``, or None when no committed step lists
-    it (a damaged manifest raises)."""
+    """The item of a committed step at ``location``, or None (a damaged manifest raises)."""
     manifest = manifest_for_item(location)
     if manifest is None:
         return None
@@ -240,9 +244,7 @@ def step_item(location: Location) -> StepItem | None:
 
 MAX_PROBED = 16  # children looked into for a run or checkpoint one level down
 PATHS_NAMED = 4  # items of a step named when pointing at them
-# What a save of ours leaves before it commits: the pending marker (named by
-# ``_core.ownership``, a wing above) and a pytree's metadata (object stores).
-_STAGING_FILES = (METADATA_FILE, "_PENDING.json")
+_STAGING_FILES = (METADATA_FILE, PENDING_FILE)  # what a save of ours leaves before its commit
 
 
 # The kinds of a Place: what a path holds.
@@ -297,11 +299,10 @@ class Place:
 
 
 def classify(location: Location, *, steps_first: bool = False) -> Place:
-    """What is at ``location``, by names and small files, in this order: ours, a step, an
-    item, Orbax, a run, an unfinished save, msgpack, nothing. ``steps_first``: a reader of
-    a run directory lists it first (its errors propagate), so a run with committed steps
-    costs one listing. A damaged manifest of the step holding ``location`` raises
-    CorruptCheckpointError."""
+    """What is at ``location``, probed in this order: ours, a step, an item, Orbax, a run,
+    an unfinished save, msgpack, nothing. ``steps_first``: list first (errors propagate),
+    so a run with committed steps costs one listing. A damaged manifest of the step
+    holding ``location`` raises CorruptCheckpointError."""
     listing = list_directory(location) if steps_first else None
     if listing is not None and listing.committed:
         return Place(location, RUN, listing=listing)
@@ -327,22 +328,18 @@ def classify(location: Location, *, steps_first: bool = False) -> Place:
 
 
 def _run_listing(location: Location, listing: Listing | None) -> Listing | None:
-    """The listing of ``location`` when it is a run directory of ours (committed steps, or
-    our run records); None otherwise, or where it cannot be listed."""
-    try:
+    """The listing of ``location`` if it is a run of ours (steps or run records), else None."""
+    with contextlib.suppress(CheckpointError, OSError):
         if location.is_local and not location.is_dir():
             return None
         listing = listing if listing is not None else list_directory(location)
         if listing.committed or any(location.exists(n) for n in RECORD_NAMES):
             return listing
-    except (CheckpointError, OSError):
-        pass
     return None
 
 
 def not_a_checkpoint(where: Location | Place) -> CheckpointError:
-    """The error for a reader of one pytree that found no committed checkpoint at
-    ``where`` (its :class:`Place`, or a location classified here)."""
+    """The error for a reader of one pytree that found none at ``where`` (a Place or location)."""
     place = where if isinstance(where, Place) else classify(where)
     location = place.location
     if place.kind in (STEP_KIND, HOST_COPY):
@@ -402,7 +399,7 @@ def nothing_here(location: Location, none: str) -> str:
 
 def folder_inside(location: Location) -> str | None:
     """What of ours ``location`` is a folder inside (a checkpoint, a step, an item)."""
-    try:
+    with contextlib.suppress(CheckpointError, OSError, ValueError):
         parent = location.parent
         if parent.exists(COMMIT_FILE):
             return f"the checkpoint {parent}"
@@ -410,38 +407,31 @@ def folder_inside(location: Location) -> str | None:
             return f"step {parent.name} ({parent})"
         if manifest_for_item(parent) is not None:
             return f"the item {parent} of a step"
-    except (CheckpointError, OSError, ValueError):
-        pass
     return None
 
 
 def one_level_down(location: Location, names: list[str], *, runs_only: bool = False) -> list[str]:
-    """Runs and checkpoints (``runs_only``: runs) of ours among the first
-    :data:`MAX_PROBED` children."""
+    """Runs and checkpoints of ours (``runs_only``: runs) in the first :data:`MAX_PROBED`."""
     kinds = location.child_kinds() if location.is_local else None
     found = []
     for name in [n for n in names if kinds is None or kinds.get(n) == "dir"][:MAX_PROBED]:
         try:
             child = location.child(name)
-            what = _what_child_is(child)
+            if child.exists(COMMIT_FILE):
+                what = "a checkpoint of one pytree"
+            elif child.exists(MANIFEST_FILE):
+                what = "a step of a run directory"
+            elif (latest := list_directory(child).latest) is not None:
+                what = f"a run directory of CheckpointManager, latest step {latest}"
+            elif any(child.exists(n) for n in RECORD_NAMES):
+                what = "a run directory of CheckpointManager, no committed step yet"
+            else:
+                continue
         except (CheckpointError, OSError, ValueError):
             continue  # a link, an odd name, an unreadable entry: not pointed at
-        if what is not None and (not runs_only or what.startswith("a run directory")):
+        if not runs_only or what.startswith("a run directory"):
             found.append(f"{child} ({what})")
     return found
-
-
-def _what_child_is(child: Location) -> str | None:
-    if child.exists(COMMIT_FILE):
-        return "a checkpoint of one pytree"
-    if child.exists(MANIFEST_FILE):
-        return "a step of a run directory"
-    latest = list_directory(child).latest
-    if latest is not None:
-        return f"a run directory of CheckpointManager, latest step {latest}"
-    if any(child.exists(n) for n in RECORD_NAMES):
-        return "a run directory of CheckpointManager, no committed step yet"
-    return None
 
 
 def _run_directory_message(location: Location, listing: Listing | None) -> str:
@@ -486,16 +476,295 @@ def _staged(location: Location) -> str | None:
     return "partial" if fnmatch.filter(names, f"{location.name}.partial-*") else None
 
 
+def contents(loc: Location, limit: int = 5) -> str:
+    """A short list of what ``loc`` holds, for the words of a refused removal or write."""
+    names = loc.list_children()
+    shown = ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+    run = "a CheckpointManager's directory of steps: " if committed_steps(loc) else ""
+    return f"{run}it holds {shown}" if names else "it is empty"
+
+
+def holding_checkpoint(location: Location, *, runs: int = 0) -> str | None:
+    """The committed checkpoint of ours that ``location`` (a real path) is or lies inside, in
+    words: a step, a core checkpoint, or (``location`` and its first ``runs - 1`` parents)
+    a run holding committed steps; None when there is none. For writers' outputs."""
+    here, level = location, 0
+    while True:
+        if here.exists(MANIFEST_FILE):
+            return f"step {here.name} of the run directory {here.parent}"
+        if here.exists(COMMIT_FILE):
+            return f"the checkpoint {here} (written by fop.save)"
+        if level < runs and list_directory(here).committed:
+            return f"the run directory {here} (it holds committed steps)"
+        if here.parent == here:
+            return None
+        here, level = here.parent, level + 1
+
+
+def no_steps(where: Location | Place, listing: Listing | None = None) -> CheckpointError:
+    """The error for a reader of steps that found none at ``where`` (a Place or location)."""
+    place = where if isinstance(where, Place) else classify(where)
+    location, listing = place.location, listing or place.listing
+    if place.kind in (STEP_KIND, HOST_COPY):
+        step = location.name
+        return CheckpointNotFoundError(
+            f"{location} is step {step} of the run directory {location.parent}, not a run "
+            f"directory: name that directory (and step {step}), e.g. "
+            f"fop.restore_params({str(location.parent)!r}, step={step})"
+        )
+    if place.item is not None:
+        item = place.item.manifest
+        return CheckpointNotFoundError(
+            f"{location} is an item of step {item.step} of the run directory "
+            f"{location.parent.parent}, not a run directory: fop.restore({str(location)!r}) "
+            f"reads it, fop.restore_params({str(location.parent.parent)!r}, step={item.step}) "
+            f"serves the step's params"
+        )
+    if place.kind == CHECKPOINT:
+        return CheckpointNotFoundError(
+            f"{location} is a checkpoint of one pytree (fop.save), not a directory of "
+            f"steps: read it with fop.restore({str(location)!r})"
+        )
+    listing = listing if listing is not None else list_directory(location)
+    if listing.corrupt:  # steps there were, all set aside: damage, not an empty run
+        return CorruptCheckpointError(
+            f"no committed steps in {location}: every step was set aside as damaged "
+            f"({', '.join(listing.corrupt)}); inspect them with `flax-orbax verify "
+            f"{location}/<name>`"
+        )
+    if listing.unfinished:
+        return CheckpointNotFoundError(
+            f"no committed steps in {location}: the saves of "
+            f"{', '.join(listing.unfinished)} were interrupted or are still running"
+        )
+    if any(location.exists(n) for n in RECORD_NAMES):
+        return CheckpointNotFoundError(
+            f"no committed steps in {location}: a run directory of CheckpointManager with "
+            f"no committed step yet"
+        )
+    return CheckpointNotFoundError(nothing_here(location, "no committed steps"))
+
+
+def misplaced(location: Location) -> str | None:
+    """Where ``location`` (no run itself) is one level off a run of ours: inside a
+    checkpoint, step or item, or above runs; None otherwise. ``gc``'s check."""
+    inside = folder_inside(location)
+    if inside is not None:
+        return f"{location} is a folder inside {inside}; point at the run directory instead"
+    names = [n for n in location.list_children() if not n.startswith(".fop-visible-")]
+    below = one_level_down(location, names, runs_only=True)  # a checkpoint there: no gc's
+    if below:
+        return f"{location} holds no run itself; one level down: {'; '.join(below)}"
+    return None
+
+
 def read_document(location: Location) -> CheckpointDocument:
-    """The validated metadata of a committed checkpoint or step item, checked against the
-    checksum its commit recorded; an error saying what is there when no commit lists it."""
+    """The validated metadata at ``location``, checked against its commit's checksum."""
     return _layout.read_listed_document(location, listed_checksums(location))
 
 
 def listed_checksums(location: Location) -> dict[str, str]:
-    """``layout.committed_checksums`` of ``location``; an error saying what is there when
-    no commit lists it."""
+    """``layout.committed_checksums`` of ``location``; an error when no commit lists it."""
     listed = _layout.committed_checksums(location)
     if listed is None:
         raise not_a_checkpoint(location)
     return listed
+
+
+MARKER_FORMAT = "flax_orbax_plugin/host-copy"
+COPY_LAYOUT = "copied down: every region"  # the marker's layout of a bucket's step
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
+
+
+def _pair(d: Any) -> bool:
+    return isinstance(d, list) and len(d) == 2 and all(map(_is_int, d))
+
+
+def _short_str(limit: int):
+    """The check of a field that is null or a string of at most ``limit`` characters."""
+    return lambda v: v is None or isinstance(v, str) and len(v) <= limit
+
+
+def _held_ok(held: Any) -> bool:
+    """``held``: null, or ``{"sets": [[region, ...], ...], "items": {item: {leaf: set}}}``."""
+    if held is None:
+        return True
+    if not isinstance(held, dict) or set(held) != {"sets", "items"}:
+        return False
+    sets, items = held["sets"], held["items"]
+    region_ok = lambda r: isinstance(r, list) and all(_pair(d) and d[0] <= d[1] for d in r)
+    if not isinstance(sets, list) or not all(
+        isinstance(s, list) and all(map(region_ok, s)) for s in sets
+    ):
+        return False
+    return isinstance(items, dict) and all(
+        isinstance(leaves, dict) and all(_is_int(i) and i < len(sets) for i in leaves.values())
+        for leaves in items.values()
+    )
+
+
+# field -> (expected, check) of a per-host marker (what per_host.host_marker writes);
+# ``held`` may be absent (a marker written before it was)
+_MARKER_FIELDS = {
+    "format": (repr(MARKER_FORMAT), lambda v: v == MARKER_FORMAT),
+    "step": ("a step number", _is_int),
+    "run": ("a run id or null", _short_str(64)),
+    "process_index": ("a process index", _is_int),
+    "process_count": ("a process count", _is_int),
+    "devices": (
+        "[[device id, process index], ...]",
+        lambda v: isinstance(v, list) and all(map(_pair, v)),
+    ),
+    "layout": ("a layout description or null", _short_str(256)),
+    "hosts": (
+        "null or a list of digests",
+        lambda v: v is None or isinstance(v, list) and all(isinstance(h, str) for h in v),
+    ),
+    "held": ("null or {'sets': [...], 'items': {...}} (the regions held)", _held_ok),
+}
+
+
+def read_at(step_loc: Location) -> tuple[dict | None, str | None]:
+    """The :data:`HOST_FILE` of the step at ``step_loc`` as a checked JSON object, or what
+    is wrong with it (``"no _HOST.json"`` when there is none)."""
+    try:
+        raw = step_loc.read_bytes(HOST_FILE, max_bytes=_local_files.HOST_MARKER.max_bytes)
+        if raw is None:
+            return None, f"no {HOST_FILE}"
+        doc = _local_files.parse(raw, f"{step_loc}/{HOST_FILE}", _local_files.HOST_MARKER)
+    except CheckpointError as e:
+        return None, str(e)
+    if not isinstance(doc, dict):
+        return None, f"{step_loc}/{HOST_FILE}: expected a JSON object, found {type(doc).__name__}"
+    for field, (expected, ok) in _MARKER_FIELDS.items():
+        if not ok(doc.get(field)):
+            found = repr(doc.get(field))[:80]
+            return (
+                None,
+                f"{step_loc}/{HOST_FILE}: field {field}: expected {expected}, found {found}",
+            )
+    return doc, None
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCopy:
+    """One host's copy of a step, as its marker describes it."""
+
+    where: str  # the step's location
+    step: int
+    process_index: int
+    process_count: int
+    held: dict | None  # the marker's ``held``: None holds every region
+
+    @property
+    def note(self) -> str:
+        """What a reader of this copy is told (the verify result's ``note``)."""
+        mine = f"process {self.process_index}'s own copy (a directory per host)"
+        if self.held is None or not self.held["items"]:
+            return f"{mine}, holding every region"
+        others = self.process_count - 1
+        return f"{mine}: the other {others} host(s)' shards live in their own directories"
+
+    def item(self, name: str) -> HeldItem:
+        return HeldItem(self, name)
+
+    def regions(self, item: str, path: str, shape: tuple[int, ...]) -> list[tuple] | None:
+        """The regions (tuples of slices) of leaf ``path`` of ``item`` this copy holds (None:
+        whole); CorruptCheckpointError for a region outside the leaf's ``shape``."""
+        if self.held is None:
+            return None
+        index = self.held["items"].get(item, {}).get(path)
+        if index is None:
+            return None
+        out = []
+        for region in self.held["sets"][index]:
+            fits = len(region) == len(shape) and all(
+                b <= n for (_, b), n in zip(region, shape, strict=True)
+            )
+            if not fits:
+                raise CorruptCheckpointError(
+                    f"{self.where}/{HOST_FILE}: field held: leaf {path!r} of item {item!r} "
+                    f"has shape {tuple(shape)}, the marker names the region {region} of it"
+                )
+            out.append(tuple(slice(a, b) for a, b in region))
+        return out
+
+    def partial(self, item: str, records: list) -> list[str]:
+        """The paths of ``records`` (of ``item``) this copy does not hold whole."""
+        return [r.path for r in records if self.regions(item, r.path, r.shape) is not None]
+
+    def elsewhere(self, kind: str, process_count: int) -> set[str]:
+        """Files of an item of ``kind`` held by the other hosts: their data iterator states."""
+        if self.held is None or kind != "data_iterator":
+            return set()
+        others = (p for p in range(process_count) if p != self.process_index)
+        return {iterator_state_file(p) for p in others}
+
+    def refusal(self, where: Any, partial: list[str]) -> CheckpointError:
+        """The error of a read of ``where`` that needs the leaves ``partial`` whole."""
+        shown = ", ".join(repr(p) for p in partial[:3]) + (" ..." if len(partial) > 3 else "")
+        return CheckpointError(
+            f"{where} is process {self.process_index}'s own copy of step {self.step}, saved "
+            f"with a directory per host ({self.process_count} processes): it holds only "
+            f"that process's shards of {len(partial)} leaf(s) ({shown}); the other hosts' "
+            f"shards live in their own directories. Restore it through the manager on "
+            f"every host, or read the persistent tier's copy of the step (it holds every "
+            f"shard)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldItem:
+    """What a host's own copy holds of one item (``verify``'s view of it)."""
+
+    copy: HostCopy
+    name: str
+
+    def regions(self, record: Any) -> list[tuple] | None:
+        """The regions of ``record``'s leaf held (None: whole; []: none)."""
+        return self.copy.regions(self.name, record.path, record.shape)
+
+    def skipped_batches(self, doc: Any) -> set[str]:
+        """Batches with a leaf not held whole here (a host writes a batch only if it holds all)."""
+        return {
+            rec.storage.batch
+            for rec in doc.leaves
+            if isinstance(rec.storage, BatchStorage) and self.regions(rec) is not None
+        }
+
+    def whole(self, record: Any, skipped: set[str]) -> bool:
+        """Whether the copy holds ``record``'s leaf whole (``skipped``: :meth:`skipped_batches`)."""
+        if isinstance(record.storage, BatchStorage):
+            return record.storage.batch not in skipped
+        return not isinstance(record.storage, ArrayStorage) or self.regions(record) is None
+
+
+def held_bytes(regions: list[tuple] | None, shape: tuple[int, ...], itemsize: int) -> int:
+    """Bytes of ``regions`` (None: the whole ``shape``)."""
+    if regions is None:
+        return math.prod(shape) * itemsize
+    return sum(math.prod(s.stop - s.start for s in r) for r in regions) * itemsize
+
+
+def of_step(step_loc: Location) -> tuple[HostCopy | None, str | None]:
+    """The host copy that the local step at ``step_loc`` is (None: no marker there: never
+    uploaded), or what is wrong with its marker."""
+    if not step_loc.is_local or not step_loc.exists(HOST_FILE):
+        return None, None
+    doc, problem = read_at(step_loc)
+    if doc is None:
+        return None, problem
+    if is_step_name(step_loc.name) and doc["step"] != int(step_loc.name):
+        found = doc["step"]
+        return None, f"{step_loc}/{HOST_FILE}: field step: expected {step_loc.name}, found {found}"
+    return HostCopy(
+        str(step_loc), doc["step"], doc["process_index"], doc["process_count"], doc.get("held")
+    ), None
+
+
+def of_item(item_loc: Location) -> HostCopy | None:
+    """:func:`of_step` of ``item_loc``'s step (None where its marker is unreadable: read as any)."""
+    return of_step(item_loc.parent)[0]

@@ -35,7 +35,6 @@ from .._errors import (
     StructureError,
     UnsupportedLocationError,
 )
-from .._format.describe import holding_checkpoint
 from .._format.foreign import (
     STEP_RE,
     is_msgpack_checkpoint,
@@ -43,7 +42,7 @@ from .._format.foreign import (
     is_step,
     safetensors_source,
 )
-from .._format.steps import list_directory
+from .._format.steps import holding_checkpoint, list_directory
 from .._manager import options as _options
 from .._manager.manager import CheckpointManager
 from .._storage.local_inputs import local_path

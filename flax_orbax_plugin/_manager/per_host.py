@@ -25,7 +25,6 @@ from .._base import tree as _tree
 from .._core import formats as _formats
 from .._core import removing as _removing
 from .._errors import CheckpointError, CheckpointNotFoundError
-from .._format import host_copy as _host_copy
 from .._format import steps as _steps
 from .._format.layout import HOST_FILE
 from .._storage import local_files as _local_files
@@ -44,8 +43,8 @@ __all__ = [
 
 logger = logging.getLogger("flax_orbax_plugin")
 
-_FORMAT = _host_copy.MARKER_FORMAT
-COPY_LAYOUT = _host_copy.COPY_LAYOUT  # the marker's layout of a bucket's step
+_FORMAT = _steps.MARKER_FORMAT
+COPY_LAYOUT = _steps.COPY_LAYOUT  # the marker's layout of a bucket's step
 
 
 def device_map() -> list[list[int]]:
@@ -149,7 +148,7 @@ def host_marker(
 
 def read_marker(loc: Location, step: int) -> tuple[dict | None, str | None]:
     """``(doc, None)``: this host's checked :data:`HOST_FILE` of ``step``; else ``(None, why)``."""
-    return _host_copy.read_at(_steps.step_location(loc, step))
+    return _steps.read_at(_steps.step_location(loc, step))
 
 
 def _marker_problem(loc: Location, step: int, run: Any) -> str | None:

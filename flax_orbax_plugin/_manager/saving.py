@@ -45,7 +45,7 @@ from .._core.save import SaveHandle, SaveResult, Staging, wait_for_data
 from .._errors import CheckpointError, SaveCancelledError, StructureError
 from .._format import layout as _layout
 from .._format.layout import ItemEntry, StepManifest
-from .._format.layout.records import LANES, MANIFEST_FILE
+from .._format.records import LANES, MANIFEST_FILE
 from .._incremental import reuse as _reuse
 from .._incremental.reuse import Reuse
 from .._state.train_state import PLAIN_VALUE_TYPES, split_state

@@ -33,9 +33,7 @@ from .._errors import (
     OptionTypeError,
     StructureError,
 )
-from .._format import describe as _describe
 from .._format import layout as _layout
-from .._format import metadata as _metadata
 from .._format import steps as _steps
 from .._format.foreign import is_step
 from .._format.layout import STEP_VERSION
@@ -78,10 +76,10 @@ def read(item: StepItem, like: Any = None, *, changes: dict[str, Any] | None = N
     return reader.restore(item.location, like)
 
 
-def describe(item: StepItem) -> _metadata.CheckpointMetadata:
+def describe(item: StepItem) -> _layout.CheckpointMetadata:
     """``fop.metadata`` of a non-pytree item, from the step manifest alone."""
     _reader(item)
-    return _metadata.CheckpointMetadata(
+    return _layout.CheckpointMetadata(
         path=str(item.location),
         format_version=STEP_VERSION,
         created_at=item.manifest.time,
@@ -217,7 +215,7 @@ def _not_for_orbax(where: Any, options: str, how: str) -> CheckpointError:
 
 
 @public(errors=refusals(arguments("path")))
-def metadata(path: Any) -> _metadata.CheckpointMetadata:
+def metadata(path: Any) -> _layout.CheckpointMetadata:
     """Leaf paths, shapes, dtypes and shardings of a checkpoint; reads no array data.
     On an Orbax checkpoint the error says what it holds and how to read it."""
     location = Location.from_path(path)
@@ -368,7 +366,7 @@ def _serve(directory: Any, step: int | None, job: _Serving) -> Any:
     if not steps:
         if place.kind == _steps.ORBAX:
             return _orbax_params(directory, step, job)
-        raise _describe.no_steps(place)  # what is there instead (a step, a run below, ...)
+        raise _steps.no_steps(place)  # what is there instead (a step, a run below, ...)
 
     def serve(chosen: int) -> Any:
         return _serve_step(loc, steps, chosen, job)

@@ -1,4 +1,7 @@
-"""zarr3 arrays through tensorstore: the on-disk form of array data.
+"""zarr3 arrays through tensorstore: the on-disk form of array data, and format version 2's
+compressed segments (byte for byte version 1's chunk files) encoded and decoded by
+tensorstore over a private ``memory`` kvstore (a fresh context each: this library has no
+zstd of its own; one :class:`Decoder` per read). Any thread.
 
 Every chunk carries a crc32c checksum (zarr3 ``crc32c`` codec) that tensorstore
 verifies on read; missing chunks are an error, not zeros. Chunks divide the
@@ -23,7 +26,7 @@ from .._format.layout import (
     dtype_from_name,
 )
 from .._storage.location import Location, context
-from . import subbyte as _subbyte
+from . import chunks as _chunks
 
 CHUNK_TARGET_BYTES = 4 << 20  # large leaves: chunks of at most ~4 MiB (restore peak memory)
 # batches of small leaves: one file per ~16 MiB (its inner chunks: BatchRecord.inner)
@@ -192,7 +195,7 @@ def environmental(error: BaseException) -> OSError | None:
 
 def leaf_spec(root: Location, index: int, record: LeafRecord) -> dict[str, Any]:
     """The spec of leaf number ``index``'s own array under ``root`` (packed: its bytes)."""
-    record = _subbyte.stored(record)
+    record = _chunks.stored(record)
     itemsize = dtype_from_name(record.dtype, path=record.path).itemsize
     shape, chunk, codec = record.shape, record.storage.chunk_shape, record.storage.codec
     return spec(root, array_dir(index), shape, record.dtype, chunk, itemsize, codec=codec)
@@ -205,3 +208,47 @@ def batch_spec(root: Location, batch: BatchRecord) -> dict[str, Any]:
     return spec(
         root, sub, [batch.size], batch.dtype, chunk, itemsize, inner_chunk=inner, codec=batch.codec
     )
+
+
+# -- format version 2's compressed segments --------------------------------------------
+
+MEMORY = Location.from_path("memory://")  # the root the specs below are built under
+_ZARR_JSON = b"zarr.json"
+
+
+def max_segment_bytes(raw_bytes: int, inner_chunks: int = 1) -> int:
+    """The most bytes a compressed segment of ``raw_bytes`` decoded bytes in
+    ``inner_chunks`` checksummed chunks may hold: a data index listing more is damage."""
+    frames = raw_bytes + raw_bytes // 128 + inner_chunks * (1024 + _chunks.CRC_BYTES)
+    return frames + 16 * inner_chunks + _chunks.CRC_BYTES
+
+
+def encode(spec: dict[str, Any], writes: list[tuple[Any, np.ndarray]]) -> list[tuple[str, Any]]:
+    """``[(key inside the array, stored bytes)]`` of every chunk of ``writes`` (regions of
+    whole chunks, values) encoded with ``spec`` (under :data:`MEMORY`), sorted by key."""
+    context = ts.Context()
+    spec = dict(spec, store_data_equal_to_fill_value=True)
+    store = ts.open(spec, create=True, open=True, context=context).result()
+    for index, data in writes:
+        store[index].write(as_stored(data, store.dtype.numpy_dtype)).result()
+    kv = ts.KvStore.open(spec["kvstore"], context=context).result()
+    out = []
+    for key in sorted(kv.list().result()):
+        if key != _ZARR_JSON:
+            out.append((key.decode("ascii"), kv.read(key).result().value))
+    return out
+
+
+class Decoder:
+    """A zarr3 array of ``spec`` (under :data:`MEMORY`) in its own memory: :meth:`put` each
+    stored chunk a read needs, then read :attr:`store` (a chunk not put is an error)."""
+
+    def __init__(self, spec: dict[str, Any]):
+        self._context = ts.Context()
+        spec = dict(spec, fill_missing_data_reads=False)
+        self.store = ts.open(spec, create=True, context=self._context).result()
+        self._kv = ts.KvStore.open(spec["kvstore"], context=self._context).result()
+
+    def put(self, key: str, data: Any) -> None:
+        """Stores ``data`` (bytes of one segment) as the chunk ``key`` (``c/...``)."""
+        self._kv.write(key, bytes(data)).result()

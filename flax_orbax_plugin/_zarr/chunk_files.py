@@ -9,6 +9,7 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._zarr.chunk_fil
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import math
 import os
@@ -28,13 +29,12 @@ from .chunks import crc_trailer
 
 
 def file_name(path: str) -> str:
-    """A version-1 chunk or batch file's name in errors: ``<array>/c/...`` (4 parts)."""
+    """A version-1 chunk or batch file's name in errors (its last 4 parts)."""
     return "/".join(path.split(os.sep)[-4:])
 
 
 def stored_name(path: str, where: Callable[[str], str] | None, kind: str) -> str:
-    """The words naming the stored bytes of chunk ``path`` in a damage error: ``where(path)``
-    (a version-2 data file and its byte range), else version 1's own file."""
+    """Chunk ``path``'s bytes in a damage error: ``where(path)`` (version 2), else its file."""
     return where(path) if where is not None else f"{kind} {file_name(path)}"
 
 
@@ -44,8 +44,7 @@ def crc_matches(parts: list[np.ndarray], trailer: np.ndarray) -> bool:
 
 class Jobs:
     """This reader's jobs on the process's shared pool of ``threads`` reader threads (started
-    once: 8 new threads cost 0.1 s of a 0.5 s restore of 6,000 small leaves). :meth:`shutdown`
-    cancels or waits for this reader's jobs only."""
+    once: 8 new threads cost 0.1 s of a 0.5 s restore of 6,000 small leaves)."""
 
     def __init__(self, threads: int):
         self._pool = _shared_pool(threads)
@@ -90,16 +89,13 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pools)
 
 
-# What the kernel is asked to read ahead: about what a disk reads while the metadata
-# of a large tree is parsed, and never a checkpoint's worth of page cache at once.
-PREFETCH_BYTES = 256 << 20
+PREFETCH_BYTES = 256 << 20  # read ahead: about a disk's reading while large metadata parses
 
 
 def prefetch_batches(root: str, threads: int) -> concurrent.futures.Future | None:
-    """Asks the kernel (``POSIX_FADV_WILLNEED``) to start reading the first
-    :data:`PREFETCH_BYTES` of the batch files under ``root/b`` on a reader thread, so the
-    disk works while the metadata is parsed; None where there is no such hint. Opens
-    regular files only, never through a link; a failure is the later read's to report."""
+    """Asks the kernel (``POSIX_FADV_WILLNEED``, on a reader thread) to start reading the
+    first :data:`PREFETCH_BYTES` of the batch files under ``root/b``; None where there is no
+    such hint. Regular files only, never through a link; failures are the reads' to say."""
     if not hasattr(os, "posix_fadvise"):
         return None
     return _shared_pool(threads).submit(_advise_batches, os.path.join(root, "b"))
@@ -123,21 +119,16 @@ def _advise_batches(top: str) -> None:
 
 
 def _advise(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):  # a hint: a failure is the later read's to report
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
 
 
 def usable(location: Any) -> bool:
-    """Whether arrays under ``location`` can be written here (those without a
-    compression codec: the caller checks each)."""
+    """Whether uncompressed arrays under ``location`` can be written here."""
     return (
         location.is_local
         and sys.byteorder == "little"
@@ -154,8 +145,8 @@ MAX_COMPRESSION_RATIO = 1 << 16
 
 
 def array_claim(shape, chunk, itemsize: int, *, compressed: bool) -> tuple[int, int]:
-    """(chunk files, bytes) that an array of ``shape`` in ``chunk``-shaped chunks needs on
-    disk (compressed: a lower bound), in Python ints: nothing is allocated."""
+    """(chunk files, bytes) an array of ``shape`` in ``chunk``-shaped chunks needs on disk
+    (compressed: a lower bound), in Python ints: nothing is allocated."""
     cells = math.prod(-(-int(n) // int(c)) for n, c in zip(shape, chunk, strict=True))
     chunk_bytes = math.prod(int(c) for c in chunk) * itemsize
     if compressed:
@@ -178,8 +169,7 @@ def batch_claim(
 
 
 def stored_files(root: str, sub: str) -> tuple[int, int]:
-    """(regular files, their total bytes) under ``root/sub/c``, walked without following
-    any link; (0, 0) when there is no such directory."""
+    """(regular files, bytes) under ``root/sub/c``, following no link; (0, 0) if absent."""
     count = total = 0
     for entry in walk_entries(os.path.join(root, check_name(sub), _chunks.CHUNK_DIR)):
         if entry.is_file(follow_symlinks=False):
@@ -192,20 +182,17 @@ BATCH_THREADS = 4  # threads of ranged batch reads (read_batch_range)
 
 
 class ChunkReader:
-    """Reads arrays and batches stored without compression from local chunk files straight
-    into fresh aligned host buffers, one ``preadv`` per file, each a regular file of the
-    chunk's size plus a matching crc32c (else ValueError naming the chunk). Threading:
-    called from the restore's thread; the reads run on the reader's threads; :meth:`close`
-    waits for them."""
+    """Reads uncompressed arrays and batches from local chunk files straight into fresh
+    aligned host buffers, one ``preadv`` per file, each a regular file of the chunk's size
+    plus a matching crc32c (else ValueError naming the chunk). Called from the restore's
+    thread; the reads run on the reader's threads; :meth:`close` waits for them."""
 
     packed = False  # format version 2's reader (a subclass) reads every array and batch
 
     def __init__(self, root: str, *, threads: int = _chunks.THREADS):
         self._root = root
         self._pool = Jobs(threads)
-        # per thread (by its ident), one chunk's bytes reused (see _read_chunk_copy); this
-        # reader's, so freed with it (the pool's threads outlive every restore)
-        self._scratch: dict[int, np.ndarray] = {}
+        self._scratch: dict[int, np.ndarray] = {}  # _read_chunk_copy's; freed with the reader
         # Ranged batch reads, in file order on fewer threads: the first files are done
         # early, so their leaves are placed while the rest are read (8 threads at once
         # finished the first of 12 batch files after most of the reading).
@@ -219,7 +206,6 @@ class ChunkReader:
         self._batch_pool.shutdown(wait=True, cancel_futures=True)
 
     def _fill_kw(self) -> dict:
-        """The reading functions' ``fill`` argument where a subclass reads elsewhere."""
         return {} if self._fill is _read_file else {"fill": self._fill, "where": self._where}
 
     def read(
@@ -319,7 +305,7 @@ _read_total = 0
 
 
 def count_read(nbytes: int) -> None:
-    """Adds ``nbytes`` read by a subclass's own reads to :func:`bytes_read`."""
+    """Adds ``nbytes`` read elsewhere (a subclass) to :func:`bytes_read`."""
     global _read_total
     with _read_lock:
         _read_total += nbytes
@@ -345,11 +331,11 @@ def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int, *, fill=None, whe
 
 
 def _read_chunk_copy(
-    path: str, dest: np.ndarray, chunk: tuple[int, ...], scratch: dict, *, fill=None, where=None
+    path: str, dest: np.ndarray, chunk: tuple, scratch: dict, src=None, *, fill=None, where=None
 ) -> None:
-    """Reads one chunk file whole into scratch, checks it, then copies its part in the
-    array into ``dest``. The scratch is the calling thread's own in ``scratch`` (by thread
-    ident), kept between chunks: fresh memory would cost its first touch (0.6 s per GB)."""
+    """Reads one chunk file whole into this thread's scratch (in ``scratch`` by ident, kept:
+    fresh memory costs its first touch, 0.6 s per GB), checks it, then copies its part
+    ``src`` (None: from its start) into ``dest``."""
     nbytes = int(np.prod(chunk, dtype=np.int64)) * dest.dtype.itemsize
     me = threading.get_ident()
     buffer = scratch.get(me)
@@ -357,7 +343,8 @@ def _read_chunk_copy(
         buffer = scratch[me] = np.empty(nbytes, np.uint8)
     raw = buffer[:nbytes]
     _read_chunk(path, raw, nbytes, fill=fill, where=where)
-    dest[...] = raw.view(dest.dtype).reshape(chunk)[tuple(slice(0, n) for n in dest.shape)]
+    src = src or tuple(slice(0, n) for n in dest.shape)
+    dest[...] = raw.view(dest.dtype).reshape(chunk)[src]
 
 
 def _read_shard(
@@ -415,15 +402,13 @@ def _read_shard(
 
 
 def _read_file(path: str, name: str, parts: list[np.ndarray]) -> None:
-    """Fills ``parts`` (uint8 arrays) with the whole file at ``path``, which must be a
-    regular file of exactly their total size (never followed if a symlink)."""
+    """Fills ``parts`` with the whole regular file at ``path`` (no link), of exactly their size."""
     _read_ranges(path, name, sum(p.size for p in parts), [(0, parts)])
 
 
 def _read_ranges(path: str, name: str, expected: int, ranges: list) -> None:
-    """Fills the parts of each ``(offset, parts)`` of ``ranges`` from the file at ``path``,
-    a regular file (never a link) of exactly ``expected`` bytes; several ranges are read
-    without readahead."""
+    """Fills each ``(offset, parts)`` of ``ranges`` from the regular file (never a link) at
+    ``path`` of exactly ``expected`` bytes; several ranges are read without readahead."""
     _env.fail_point("read_chunk")
     try:
         # O_NONBLOCK: a FIFO in the checkpoint's place never blocks (refused below)
@@ -453,8 +438,7 @@ def _read_ranges(path: str, name: str, expected: int, ranges: list) -> None:
 
 
 def preadv_into(fd: int, parts: list[np.ndarray], at: int, name: str) -> int:
-    """Fills ``parts`` (uint8 arrays) from ``fd`` from offset ``at`` on; returns the
-    offset after them. ValueError naming chunk ``name`` where the file ends early."""
+    """Fills ``parts`` from ``fd`` at ``at``; returns the offset after (ValueError: ended early)."""
     views = [memoryview(p) for p in parts if p.size]
     while views:
         got = os.preadv(fd, views[: _chunks.IOV_MAX], at)

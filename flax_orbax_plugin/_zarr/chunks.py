@@ -1,7 +1,12 @@
-"""One zarr3 chunk on disk (name, bytes, crc32c trailer, its grid), whether a leaf is stored
-packed, and format version 2's data index.
+"""One zarr3 chunk on disk (name, bytes, crc32c trailer, its grid), regions of whole
+chunks within a budget (``verify`` reads one at a time), the crc32c of a region's
+chunks (at once, or while copying it: the optional C kernel ``_copycrc``), whether a leaf
+is stored packed and how sub-byte values (int4, float4, 1-, 2- and 6-bit dtypes) pack
+into bytes (a packed leaf's stored array, its regions, its values: FORMAT.md), and
+format version 2's data index.
 
-Pure functions and immutable records: any thread.
+Pure functions and immutable records: any thread (the copies and the crc32c release the
+GIL on large buffers).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._zarr.chunks``.
 """
@@ -10,11 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Any
 
 import numpy as np
 
-from .._format.layout import ArrayStorage, LeafRecord
+from .._errors import CheckpointError
+from .._format.layout import DTYPES, ArrayStorage, LeafRecord, dtype_from_name
 
 try:
     from crc32c import crc32c as _crc32c
@@ -47,9 +54,9 @@ def chunk_key(cell) -> str:
 
 
 def whole_chunks(shape, chunk, index):
-    """For the global region ``index`` of an array of ``shape``: (the region's shape,
-    [(chunk grid cell, its part of the region, relative), ...]); None when the region is
-    empty or not whole chunks (one cut by the array's end counts as whole)."""
+    """For the global region ``index`` of an array of ``shape``: (its shape, [(chunk grid
+    cell, its part of the region), ...]); None when it is empty or not whole chunks (one
+    cut by the array's end counts as whole)."""
     if not shape:
         return None
     starts, stops = [], []
@@ -69,6 +76,49 @@ def whole_chunks(shape, chunk, index):
     return tuple(b - a for a, b in zip(starts, stops, strict=True)), cells
 
 
+def covering(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, budget: int):
+    """Regions (tuples of slices; None: all) of whole chunks covering an array, each at most
+    ``budget`` bytes unless one chunk is larger: slabs along the first axis that fits."""
+    if not shape or math.prod(shape) * itemsize <= budget:
+        yield None
+        return
+    ndim = len(shape)
+    axis = ndim - 1
+    for k in range(ndim):  # the first axis along which a run of whole chunks fits
+        if math.prod(chunk[: k + 1]) * math.prod(shape[k + 1 :]) * itemsize <= budget:
+            axis = k
+            break
+    per_chunk = math.prod(chunk[: axis + 1]) * math.prod(shape[axis + 1 :]) * itemsize
+    step = chunk[axis] * max(1, budget // per_chunk)
+    outer = (range(0, shape[a], chunk[a]) for a in range(axis))
+    for starts in itertools.product(*outer):
+        cells = zip(starts, chunk[:axis], shape[:axis], strict=True)
+        head = tuple(slice(a, min(a + c, n)) for a, c, n in cells)
+        tail = tuple(slice(0, n) for n in shape[axis + 1 :])
+        for lo in range(0, shape[axis], step):
+            yield (*head, slice(lo, min(lo + step, shape[axis])), *tail)
+
+
+def within(shape: tuple[int, ...], span, chunk, itemsize: int, budget: int):
+    """covering regions of the part ``span`` (a tuple of slices; None: all) of an array."""
+    if span is None:
+        yield from covering(shape, chunk, itemsize, budget)
+        return
+    extents = tuple(s.stop - s.start for s in span)
+    for region in covering(extents, chunk, itemsize, budget):
+        if region is None:
+            yield span
+        else:
+            pairs = zip(span, region, strict=True)
+            yield tuple(slice(s.start + r.start, s.start + r.stop) for s, r in pairs)
+
+
+def nbytes(region, shape: tuple[int, ...], itemsize: int) -> int:
+    if region is None:
+        return math.prod(shape) * itemsize
+    return math.prod(s.stop - s.start for s in region) * itemsize
+
+
 def crc_trailer(parts: list[np.ndarray]) -> np.ndarray:
     """The zarr3 ``crc32c`` trailer of the bytes of ``parts`` in order, as 4 uint8."""
     crc = 0
@@ -78,8 +128,7 @@ def crc_trailer(parts: list[np.ndarray]) -> np.ndarray:
 
 
 def chunk_payload(view: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray:
-    """The stored bytes of one chunk (before its crc32c) from ``view``, its part of the
-    array, zero-padded to the full ``chunk`` where the array's end cuts it."""
+    """The stored bytes of one chunk (before its crc32c) from ``view``, zero-padded."""
     if view.shape != chunk:
         full = np.zeros(chunk, view.dtype)
         full[tuple(slice(0, n) for n in view.shape)] = view
@@ -90,8 +139,7 @@ def chunk_payload(view: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray:
 
 
 def as_bytes(array: np.ndarray) -> np.ndarray:
-    """The bytes of a C-contiguous array as a flat, read-only uint8 view (read-only:
-    what google_crc32c takes)."""
+    """A C-contiguous array's bytes as a flat read-only uint8 view (google_crc32c's)."""
     out = array.reshape(-1).view(np.uint8)
     out.flags.writeable = False
     return out
@@ -108,8 +156,224 @@ def advance(views: list[memoryview], done: int) -> None:
             done = 0
 
 
+try:  # the optional C extension (setup.py): copies and checksums in one pass
+    from . import _copycrc
+except ImportError:  # not built (no compiler): np.copyto, then the crc32c of ``chunks``
+    _copycrc = None
+
+
+def extend_crc(crc: int, data) -> int:
+    """crc32c of the bytes so far (``crc``) followed by ``data`` (any C-contiguous buffer)."""
+    return _crc32c(data, crc)
+
+
+def chunk_crcs(
+    shape: tuple[int, ...], chunk: tuple[int, ...], index: tuple[slice, ...], data: np.ndarray
+) -> dict[tuple[int, ...], int] | None:
+    """``{chunk grid cell: crc32c}``: the trailer each chunk of the region ``index`` (global)
+    of an array of ``shape`` holding ``data`` stores (little endian, edge chunks padded);
+    None when it is not whole chunks. A 0-d array is one chunk, cell ``()``."""
+    if data.dtype.byteorder == ">":  # the stored encoding is little endian
+        data = data.astype(data.dtype.newbyteorder("<"))
+    if not shape:
+        if data.shape != ():
+            return None
+        return {(): _crc32c(as_bytes(np.ascontiguousarray(data)))}
+    region = whole_chunks(shape, chunk, index)
+    if region is None or data.shape != region[0]:
+        return None
+    return {cell: _crc32c(chunk_payload(data[at], tuple(chunk))) for cell, at in region[1]}
+
+
+COPY_STEP = 256 << 10  # without the kernel: bytes copied, then checksummed, at a time
+
+
+def has_kernel() -> bool:
+    """Whether the C kernel of :func:`copy_crc` is built (and imported) here."""
+    return _copycrc is not None
+
+
+def copy_crc(dst: np.ndarray, src: np.ndarray, crc: int = 0, kernel: bool | None = None) -> int:
+    """``dst[...] = src`` for flat uint8 arrays of one size; returns the crc32c of those
+    bytes continued from ``crc``. ``kernel``: None, the C kernel where built; True, the
+    kernel (RuntimeError where not built); False, ``np.copyto`` then the crc32c,
+    :data:`COPY_STEP` bytes at a time (each piece checksummed while still in cache)."""
+    if kernel is None:
+        kernel = _copycrc is not None
+    if kernel:
+        if _copycrc is None:
+            raise RuntimeError(
+                "copy_crc: the C kernel (flax_orbax_plugin._zarr._copycrc) is not built"
+            )
+        return _copycrc.copy_crc(dst, src, crc)
+    for a in range(0, dst.size, COPY_STEP):
+        np.copyto(dst[a : a + COPY_STEP], src[a : a + COPY_STEP])
+        crc = _crc32c(dst[a : a + COPY_STEP], crc)
+    return crc
+
+
+def extend_zeros(crc: int, n: int) -> int:
+    """crc32c of the bytes so far (``crc``) followed by ``n`` zero bytes."""
+    if _copycrc is not None:
+        return _copycrc.extend_zeros(crc, n)
+    return _crc32c(np.zeros(n, np.uint8), crc) if n else crc
+
+
+def copy_with_crcs(
+    dst: np.ndarray,
+    src: np.ndarray,
+    shape: tuple[int, ...],
+    chunk: tuple[int, ...],
+    index: tuple[slice, ...],
+    out: dict,
+    kernel: bool | None = None,
+) -> None:
+    """``np.copyto(dst, src)`` for the region ``index`` (global) of an array of ``shape``,
+    putting each chunk's crc32c (as :func:`chunk_crcs`) in ``out`` where it is whole
+    chunks: a chunk of whole rows in one pass (:func:`copy_crc`, ``kernel``: which way),
+    others copied then checksummed. Nothing for a 0-d or big-endian array."""
+    region = None if dst.dtype.byteorder == ">" else whole_chunks(shape, chunk, index)
+    if region is None or dst.shape != region[0] or src.shape != dst.shape:
+        np.copyto(dst, src)
+        return
+    for cell, at in region[1]:
+        d, s = dst[at], src[at]
+        if d.shape[1:] == tuple(chunk[1:]) and d.flags.c_contiguous and s.flags.c_contiguous:
+            flat_d, flat_s = d.reshape(-1).view(np.uint8), s.reshape(-1).view(np.uint8)
+            crc = copy_crc(flat_d, flat_s, 0, kernel)
+            pad = (int(np.prod(chunk)) - d.size) * d.dtype.itemsize  # cut by the array's end
+            crc = extend_zeros(crc, pad)
+        else:
+            np.copyto(d, s)
+            crc = _crc32c(chunk_payload(d, tuple(chunk)))
+        out[cell] = crc
+
+
 def is_packed(record: LeafRecord) -> bool:
     return isinstance(record.storage, ArrayStorage) and record.storage.packed
+
+
+def bits_of(dtype_name: str) -> int:
+    return DTYPES[dtype_name].bits
+
+
+def _nbytes(values: int, bits: int) -> int:
+    return -(-values * bits // 8)
+
+
+def stored(record: LeafRecord) -> LeafRecord:
+    """``record`` as its zarr3 array stores it: itself, or a packed leaf's ``uint8`` bytes."""
+    if not is_packed(record):
+        return record
+    bits, chunk = bits_of(record.dtype), record.storage.chunk_shape
+    shape = (*record.shape[:-1], _nbytes(record.shape[-1], bits))
+    chunk = (*chunk[:-1], _nbytes(chunk[-1], bits))
+    storage = dataclasses.replace(record.storage, chunk_shape=chunk, packed=False)
+    return dataclasses.replace(record, shape=shape, dtype="uint8", storage=storage)
+
+
+def group(bits: int) -> int:
+    """Values per group of whole bytes (4-bit: 2 in 1 byte; 2-bit: 4; 1-bit: 8; 6-bit: 4
+    in 3 bytes): a row's groups start on bytes."""
+    return 8 // math.gcd(bits, 8)
+
+
+def pack_rows(values: np.ndarray, bits: int) -> np.ndarray:
+    """``values`` (a sub-byte dtype, at least one axis) as uint8 packed rows."""
+    low = np.ascontiguousarray(values).view(np.uint8) & np.uint8((1 << bits) - 1)
+    n, g = low.shape[-1], group(bits)
+    if n % g:
+        pad = np.zeros((*low.shape[:-1], g - n % g), np.uint8)
+        low = np.concatenate([low, pad], axis=-1)
+    lanes = low.reshape(*low.shape[:-1], -1, g)
+    wide = np.uint32 if g * bits > 8 else np.uint8
+    word = np.zeros(lanes.shape[:-1], wide)
+    for j in range(g):
+        word |= lanes[..., j].astype(wide) << wide(j * bits)
+    per = g * bits // 8  # bytes per group
+    out = np.empty((*word.shape, per), np.uint8)
+    for i in range(per):
+        out[..., i] = word >> wide(8 * i) if per > 1 else word
+    return out.reshape(*low.shape[:-1], -1)[..., : _nbytes(n, bits)]
+
+
+def unpack_rows(packed: np.ndarray, bits: int, width: int, skip: int, dtype) -> np.ndarray:
+    """Values ``skip .. skip + width`` of each row of ``packed`` (uint8 rows, each
+    starting on a group): an array of ``dtype`` (one canonical byte each)."""
+    packed = np.asarray(packed, np.uint8)
+    g = group(bits)
+    per = g * bits // 8
+    if packed.shape[-1] % per:
+        pad = np.zeros((*packed.shape[:-1], per - packed.shape[-1] % per), np.uint8)
+        packed = np.concatenate([packed, pad], axis=-1)
+    groups = packed.reshape(*packed.shape[:-1], -1, per)
+    wide = np.uint32 if per > 1 else np.uint8
+    word = groups[..., 0].astype(wide)
+    for i in range(1, per):
+        word |= groups[..., i].astype(wide) << wide(8 * i)
+    mask = wide((1 << bits) - 1)
+    out = np.empty((*word.shape, g), np.uint8)
+    for j in range(g):
+        out[..., j] = (word >> wide(j * bits)) & mask
+    out = out.reshape(*packed.shape[:-1], -1)
+    return np.ascontiguousarray(out[..., skip : skip + width]).view(dtype)
+
+
+def pack_flat(values: np.ndarray) -> np.ndarray:
+    """A small leaf's values (a sub-byte dtype) as one bit stream: its ``packed_batch`` slot."""
+    flat = np.ascontiguousarray(values).reshape(-1)
+    return pack_rows(flat, bits_of(flat.dtype.name))
+
+
+def unpack_flat(data: np.ndarray, record: LeafRecord) -> np.ndarray:
+    """The values of a ``packed_batch`` leaf from its slot's bytes (flat)."""
+    count = math.prod(record.shape)
+    dtype = dtype_from_name(record.dtype, path=record.path)
+    return unpack_rows(np.asarray(data).reshape(-1), bits_of(record.dtype), count, 0, dtype)
+
+
+def _last_axis(index, n: int) -> tuple[int, int]:
+    start, stop, step = index[-1].indices(n)
+    if step != 1:
+        raise CheckpointError(f"a strided region {index} of a packed array")
+    return start, stop
+
+
+def pack_write(record: LeafRecord, index: tuple, data: np.ndarray) -> tuple[tuple, np.ndarray]:
+    """The stored array's region and bytes of region ``index`` (global) of a packed leaf."""
+    bits, n = bits_of(record.dtype), record.shape[-1]
+    start, stop = _last_axis(index, n)
+    if start * bits % 8 or (stop * bits % 8 and stop != n):
+        raise CheckpointError(
+            f"leaf {record.path!r}: a region {index} whose last axis is not on whole bytes "
+            f"of its packed {record.dtype} chunks"
+        )
+    region = (*index[:-1], slice(start * bits // 8, _nbytes(stop, bits)))
+    return region, pack_rows(np.asarray(data), bits)
+
+
+class Unpacked:
+    """A read of a packed leaf's stored bytes that gives the leaf's values."""
+
+    def __init__(self, read: Any, record: LeafRecord, width: int, skip: int):
+        self.read, self.bits = read, bits_of(record.dtype)
+        self.width, self.skip = width, skip
+        self.dtype = dtype_from_name(record.dtype, path=record.path)
+        self.deferred = getattr(read, "deferred", False)
+
+    def result(self) -> np.ndarray:
+        return unpack_rows(self.read.result(), self.bits, self.width, self.skip, self.dtype)
+
+
+def stored_region(record: LeafRecord, region) -> tuple[tuple, int, int]:
+    """For a read of ``region`` (global; None: all) of a packed leaf: (the stored region
+    holding it, from its first group's byte; values per row; values to skip per row)."""
+    bits, n = bits_of(record.dtype), record.shape[-1]
+    index = tuple(region) if region is not None else (slice(None),) * len(record.shape)
+    start, stop = _last_axis(index, n)
+    first = start - start % group(bits)
+    inner = (*index[:-1], slice(first * bits // 8, _nbytes(stop, bits)))
+    return inner, stop - start, start - first
 
 
 INDEX_FORMAT = "flax_orbax_plugin/data"
@@ -145,8 +409,8 @@ class Segment:
 
 @dataclasses.dataclass(frozen=True)
 class DataIndex:
-    """The index of one process: its data files (name -> bytes), chunks, and the stored
-    dtype of every array it holds chunks of (empty in an index older than that)."""
+    """One process's index: data files (name -> bytes), chunks, and the stored dtype of
+    each array it holds chunks of (empty in an older index)."""
 
     process: int
     files: dict[str, int]

@@ -31,7 +31,6 @@ from .._storage.location import Location
 from . import arrays as _arrays
 from . import chunk_files as _chunk_files
 from . import chunks as _chunks
-from . import packed_codec as _codec
 from .chunks import (
     DATA_DIR,
     INDEX_FORMAT,
@@ -44,8 +43,7 @@ from .chunks import (
 
 
 class PackedReader(_chunk_files.ChunkReader):
-    """Reads chunks listed in ``chunks`` (every process's merged index) from the data
-    files of ``location``."""
+    """Reads the chunks ``chunks`` (every process's merged index) lists from the data files."""
 
     packed = True
 
@@ -104,7 +102,6 @@ class PackedReader(_chunk_files.ChunkReader):
         return fd
 
     def read_batch(self, sub, size, chunk, inner, dtype, files=None):
-        """As ``ChunkReader.read_batch``; on an object store, deferred (see ``read``)."""
         if self._kv is not None:
             numbers = range(-(-size // chunk)) if files is None else files
             self._ranges.want(_key(sub, (s,)) for s in numbers)
@@ -113,8 +110,7 @@ class PackedReader(_chunk_files.ChunkReader):
         return read
 
     def file_lengths(self) -> dict[str, tuple[int, int]]:
-        """``{data file: (its length, the length its index records)}`` of the local data
-        files open here (an object store's are not looked up: empty)."""
+        """``{data file: (its length, the length its index records)}``; local only."""
         return {
             f"{_chunks.DATA_DIR}/{name}": (os.fstat(fd).st_size, self._file_bytes.get(name, -1))
             for name, fd in self._fds.items()
@@ -138,11 +134,9 @@ class PackedReader(_chunk_files.ChunkReader):
 
     @property
     def reads_ranges(self) -> bool:
-        """Whether parts of a batch's segments can be read (local data files)."""
         return self._ranged is not None
 
     def where(self, path: str) -> str:
-        """The data file and bytes holding chunk ``path``, as a damage error says it."""
         seg = self._chunks.get(path)
         if seg is None:
             return f"chunk {path} (no data index lists it)"
@@ -150,7 +144,6 @@ class PackedReader(_chunk_files.ChunkReader):
         return f"data file {_chunks.DATA_DIR}/{seg.file}, bytes {seg.offset}-{end} (chunk {path})"
 
     def _segment(self, path: str, expected: int) -> _chunks.Segment:
-        """The segment of chunk ``path``, which must be ``expected`` bytes long."""
         _env.fail_point("read_chunk")  # as version 1's reader, before each chunk read
         segment = self._chunks.get(path)
         if segment is None:
@@ -162,11 +155,10 @@ class PackedReader(_chunk_files.ChunkReader):
         return segment
 
     def _ranged_segment(self, path: str, name: str, expected: int, ranges: list) -> None:
-        """Fills the parts of each ``(offset, parts)`` of ``ranges`` (offsets inside the
-        segment of chunk ``path``) from its data file, reading only those bytes; the last
-        four (a batch shard's index checksum) must be the crc32c the data index lists."""
+        """Fills each ``(offset in the segment of chunk path, parts)`` of ``ranges`` from its
+        data file; the last four bytes must be the crc32c the data index lists."""
         segment = self._segment(path, expected)
-        label = f"{path} ({_chunks.DATA_DIR}/{segment.file})"
+        label = f"{path} ({_chunks.DATA_DIR}/{segment.file} at {segment.offset})"
         total = 0
         for offset, parts in ranges:
             at = _chunk_files.preadv_into(
@@ -179,39 +171,33 @@ class PackedReader(_chunk_files.ChunkReader):
             int.from_bytes(last.tobytes(), "little") != segment.crc32c
             or at != segment.offset + expected
         ):
-            raise ValueError(f"chunk {path}: its crc32c differs from its data index's")
+            raise ValueError(f"chunk {label}: its crc32c differs from its data index's")
 
     def _fill_segment(self, path: str, name: str, parts: list[np.ndarray]) -> None:
         expected = sum(p.size for p in parts)
+        if self._kv is None:  # local: the whole segment as one range
+            return self._ranged_segment(path, name, expected, [(0, parts)])
         segment = self._segment(path, expected)
         where = f"{path} ({_chunks.DATA_DIR}/{segment.file} at {segment.offset})"
-        if self._kv is not None:
-            value = self._ranges.take(path, segment)
-            if value is None:
-                result = self._kv.read(
-                    segment.file, byte_range=slice(segment.offset, segment.offset + segment.length)
-                ).result()
-                if result.state != "value" or len(result.value) != expected:
-                    raise ValueError(f"chunk {where}: missing or short")
-                value = result.value
-            raw = np.frombuffer(value, np.uint8)
-            at = 0
-            for p in parts:
-                p[...] = raw[at : at + p.size]
-                at += p.size
-        else:
-            fd = self._fds[segment.file]
-            _chunk_files.count_read(
-                _chunk_files.preadv_into(fd, parts, segment.offset, where) - segment.offset
-            )
+        value = self._ranges.take(path, segment)
+        if value is None:
+            stop = segment.offset + segment.length
+            result = self._kv.read(segment.file, byte_range=slice(segment.offset, stop)).result()
+            if result.state != "value" or len(result.value) != expected:
+                raise ValueError(f"chunk {where}: missing or short")
+            value = result.value
+        raw = np.frombuffer(value, np.uint8)
+        at = 0
+        for p in parts:
+            p[...] = raw[at : at + p.size]
+            at += p.size
         if int.from_bytes(parts[-1].tobytes(), "little") != segment.crc32c:
             raise ValueError(f"chunk {where}: its crc32c differs from its data index's")
 
     def read(self, sub, shape, chunk, dtype, region=None) -> _chunk_files.PendingRead:
         """Starts reading ``region`` (global; None: all) of array ``sub``, any region. On an
-        object store the read is deferred: its chunks are declared to the fetch plan and
-        its jobs start when a result is waited for, so the plan knows every read issued
-        before the first wait."""
+        object store deferred: its chunks are declared to the fetch plan and its jobs
+        start at the first wait, so the plan knows every read issued before it."""
         bounds, ranges = _cells(shape, chunk, region)
         if self._kv is not None:
             self._ranges.want(_key(sub, cell) for cell in itertools.product(*ranges))
@@ -222,7 +208,7 @@ class PackedReader(_chunk_files.ChunkReader):
         return read
 
     def _read_cut(self, sub, chunk, dtype, bounds, ranges) -> _chunk_files.PendingRead:
-        """A read of a region that cuts chunks: each read whole, its part copied."""
+        """A region that cuts chunks: each read whole, its part copied."""
         read = _chunk_files.PendingRead(tuple(b - a for a, b in bounds), dtype)
         for cell in itertools.product(*ranges):
             src, dst = [], []
@@ -230,32 +216,32 @@ class PackedReader(_chunk_files.ChunkReader):
                 lo, hi = max(a, i * c), min(b, i * c + c)
                 src.append(slice(lo - i * c, hi - i * c))
                 dst.append(slice(lo - a, hi - a))
-            args = (_key(sub, cell), read.out[tuple(dst)], tuple(chunk), tuple(src))
-            read.futures.append(self._pool.submit(_read_part, *args, self._fill, self._where))
+            args = (_key(sub, cell), read.out[tuple(dst)], tuple(chunk), self._scratch, tuple(src))
+            job = self._pool.submit(_chunk_files._read_chunk_copy, *args, **self._fill_kw())
+            read.futures.append(job)
         return read
 
     def read_compressed(self, index: int, record, region=None) -> CompressedRead:
-        """Starts reading ``region`` (global; None: all) of leaf ``index``'s compressed array
-        (its ``record``): the segments of the chunks it touches, each checked and bounded,
-        then decoded and checked by tensorstore."""
+        """Starts reading ``region`` (global; None: all) of leaf ``index``'s compressed array:
+        the segments it touches, each checked and bounded, then decoded by tensorstore."""
         sub, chunk = _layout.array_dir(index), record.storage.chunk_shape
         _, ranges = _cells(record.shape, chunk, region)
         keys = [_key(sub, cell) for cell in itertools.product(*ranges)]
-        decoder = _codec.Decoder(_arrays.leaf_spec(_codec.MEMORY, index, record))
+        decoder = _arrays.Decoder(_arrays.leaf_spec(_arrays.MEMORY, index, record))
         raw = int(np.prod(chunk, dtype=np.int64)) * decoder.store.dtype.numpy_dtype.itemsize
         view = decoder.store if region is None else decoder.store[tuple(region)]
         dtype = _layout.dtype_from_name(record.dtype, path=record.path)
         return CompressedRead(self._load_all(sub, keys, decoder, raw, 1), view, dtype)
 
     def compressed_batch(self, batch):
-        """The compressed batch of ``batch`` (its record) as a tensorstore array, every shard
-        fetched and checked (ValueError for a damaged one); None for an uncompressed batch."""
+        """``batch`` (compressed) as a tensorstore array, every shard fetched and checked
+        (ValueError for a damaged one); None for an uncompressed batch."""
         if batch.codec is None:
             return None
         chunk, inner = int(batch.chunk), batch.inner
         raw = chunk * _layout.dtype_from_name(batch.dtype).itemsize
         sub = _layout.batch_dir(batch.name)
-        decoder = _codec.Decoder(_arrays.batch_spec(_codec.MEMORY, batch))
+        decoder = _arrays.Decoder(_arrays.batch_spec(_arrays.MEMORY, batch))
         keys = [_key(sub, (s,)) for s in range(-(-batch.size // chunk))]
         for future in self._load_all(sub, keys, decoder, raw, chunk // inner):
             future.result()
@@ -264,7 +250,7 @@ class PackedReader(_chunk_files.ChunkReader):
     def _load_all(self, sub, keys, decoder, raw: int, inners: int) -> list:
         if self._kv is not None:
             self._ranges.want(keys)
-        bound = _codec.max_segment_bytes(raw, inners)
+        bound = _arrays.max_segment_bytes(raw, inners)
         return [self._pool.submit(self._load, sub, key, decoder, bound) for key in keys]
 
     def _load(self, sub: str, key: str, decoder, bound: int) -> None:
@@ -299,8 +285,7 @@ class CompressedRead:
 
 
 def _cells(shape, chunk, region) -> tuple[list[tuple[int, int]], list[range]]:
-    """The bounds of ``region`` (global; None: all) per axis, and the chunk indices it
-    touches per axis."""
+    """Per axis, the bounds of ``region`` (None: all) and the chunk indices it touches."""
     bounds = [
         s.indices(n)[:2] for s, n in zip(region or [slice(None)] * len(shape), shape, strict=True)
     ]
@@ -309,14 +294,6 @@ def _cells(shape, chunk, region) -> tuple[list[tuple[int, int]], list[range]]:
 
 def _key(sub: str, cell) -> str:
     return "/".join([sub, *_chunks.chunk_parts(cell)]) if cell else f"{sub}/c"
-
-
-def _read_part(key: str, dest: np.ndarray, chunk, src, fill, where) -> None:
-    """Reads chunk ``key`` whole, checks it, copies its part ``src`` into ``dest``."""
-    nbytes = int(np.prod(chunk, dtype=np.int64)) * dest.dtype.itemsize
-    raw = np.empty(nbytes, np.uint8)
-    _chunk_files._read_chunk(key, raw, nbytes, fill=fill, where=where)
-    dest[...] = raw.view(dest.dtype).reshape(chunk)[src]
 
 
 # -- format version 2's data index, read back: every field checked before use --------------
@@ -329,7 +306,6 @@ _DTYPE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
 
 def index_from_json(obj: Any, where: str, process: int) -> DataIndex:
-    """Validates every field (names, numbers, ranges) before anything is used."""
 
     def bad(field: str, expected: str, found: Any):
         shown = repr(found)[:80]
@@ -372,9 +348,8 @@ def index_from_json(obj: Any, where: str, process: int) -> DataIndex:
 def read_index(
     location: Location, process: int, *, listed: dict[str, str] | None = None
 ) -> DataIndex:
-    """The data index of ``process`` in the version-2 checkpoint at ``location``, checked
-    against the sha256 its commit recorded (``listed``: those checksums, when read
-    already), parsed and validated. Every reader of an index reads it here."""
+    """The data index of ``process`` at ``location``, checked against the sha256 its commit
+    recorded (``listed``: when read already), every field validated; every reader's."""
     name = index_name(process)
     where = f"{location}/{name}"
     if listed is None:
@@ -384,8 +359,7 @@ def read_index(
 
 
 def _check_disjoint(chunks: dict[str, Segment], where: str) -> None:
-    """Segments do not overlap (FORMAT.md): two keys sharing bytes would restore one
-    chunk's bytes as another's, each passing its crc32c."""
+    """Segments do not overlap (FORMAT.md): shared bytes would pass as two chunks' crc32c."""
     by_file: dict[str, list[tuple[int, int, str]]] = {}
     for key, s in chunks.items():
         by_file.setdefault(s.file, []).append((s.offset, s.offset + s.length, key))
@@ -430,51 +404,40 @@ def _array_chunks(raw: Any, chunks: dict[str, Segment], bad) -> dict[str, str]:
     return dict(raw)
 
 
-def merge_dtypes(indexes: list[DataIndex], where: str) -> dict[str, str]:
-    """Every process's stored dtypes in one mapping; two processes naming different
-    dtypes for one array is damage."""
-    out: dict[str, str] = {}
-    for index in indexes:
-        for key, dtype in index.arrays.items():
-            if out.setdefault(key, dtype) != dtype:
-                raise CorruptCheckpointError(
-                    f"{where}: array {key}: the data indexes record dtype {out[key]!r} "
-                    f"and {dtype!r}"
-                )
-    return out
-
-
-def merge(indexes: list[DataIndex], where: str) -> dict[str, Segment]:
-    """Every process's chunks in one mapping; a chunk listed twice is damage."""
-    out: dict[str, Segment] = {}
+def merge(indexes: list[DataIndex], where: str) -> tuple[dict[str, Segment], dict[str, str]]:
+    """Every process's chunks and dtypes, merged; a chunk listed twice or two dtypes is damage."""
+    chunks: dict[str, Segment] = {}
+    dtypes: dict[str, str] = {}
     for index in indexes:
         for key, segment in index.chunks.items():
-            if key in out:
+            if chunks.setdefault(key, segment) is not segment:
                 raise CorruptCheckpointError(
                     f"{where}: chunk {key} is listed by two processes' data indexes"
                 )
-            out[key] = segment
-    return out
+        for key, dtype in index.arrays.items():
+            if dtypes.setdefault(key, dtype) != dtype:
+                raise CorruptCheckpointError(
+                    f"{where}: array {key}: the data indexes record dtype {dtypes[key]!r} "
+                    f"and {dtype!r}"
+                )
+    return chunks, dtypes
 
 
 def open_packed(
     location: Location, process_count: int, *, listed: dict[str, str] | None = None
 ) -> PackedReader:
-    """A reader of the version-2 checkpoint at ``location`` over every process's data
-    index (:func:`read_index`)."""
+    """A reader of the version-2 checkpoint at ``location`` over every process's index."""
     indexes = [read_index(location, process, listed=listed) for process in range(process_count)]
     sizes = {name: size for index in indexes for name, size in index.files.items()}
-    where = str(location)
-    dtypes = merge_dtypes(indexes, where)
-    return PackedReader(location, merge(indexes, where), sizes, dtypes)
+    chunks, dtypes = merge(indexes, str(location))
+    return PackedReader(location, chunks, sizes, dtypes)
 
 
 AHEAD_BYTES = 64 << 20  # object stores: chunk jobs started ahead of the one waited for
 
 
 class _Job:
-    """A chunk job of a read on an object store, started when its result, or an earlier
-    job's, is first waited for."""
+    """A chunk job on an object store, started when it or a later job is waited for."""
 
     def __init__(self, pool: _DeferredPool, call: tuple, kwargs: dict):
         self._pool = pool
@@ -490,8 +453,7 @@ class _Job:
 
 class _DeferredPool:
     """The reader's pool on an object store: jobs queue until one is waited for; then the
-    fetch plan is made and the jobs up to it, and :data:`AHEAD_BYTES` after, start in
-    order. Calling thread only."""
+    plan is made and the jobs up to it and :data:`AHEAD_BYTES` after start. Calling thread."""
 
     def __init__(self, pool, ranges: RangeReads, chunks: dict[str, _chunks.Segment]):
         self._pool = pool
@@ -528,7 +490,7 @@ PIECE_BYTES = 64 << 20  # the most a range split for the memory bound fetches
 
 
 class _Range:
-    """Wanted segments ``items`` [(offset, length, key)] of data file ``file``, one GET."""
+    """Wanted segments ``items`` [(offset, length, key)] of data file ``file``: one GET."""
 
     def __init__(self, file: str, items: list, whole: int | None = None):
         self.file = file
@@ -542,8 +504,7 @@ class _Range:
         self.lock = threading.Lock()
 
     def bytes(self) -> memoryview:
-        """The fetched bytes (empty when the object is missing), taken from the result once
-        (every ``ReadResult.value`` is a fresh copy)."""
+        """The fetched bytes (empty: no object), taken once (each ``.value`` is a fresh copy)."""
         with self.lock:
             if self.value is None:
                 result = self.future.result()
@@ -556,8 +517,7 @@ class _Range:
 
 
 def plan_file(file: str, items: list, size: int) -> list[_Range]:
-    """The ranges that fetch ``items`` [(offset, length, key)] (sorted, any repeats
-    dropped) of data file ``file`` of ``size`` bytes."""
+    """The ranges fetching ``items`` [(offset, length, key)], sorted, of ``file`` (``size``)."""
     needed = sum(length for _, length, _ in items)
     if size and needed >= WHOLE_FRACTION * size:
         return [_Range(file, items, whole=size)]
@@ -599,8 +559,7 @@ class RangeReads:
                     self._seq.setdefault(key, len(self._seq))
 
     def plan(self) -> None:
-        """Plans every key wanted since the last plan, and starts the fetches of its
-        ranges in the order they are needed, as many as :data:`FETCH_BYTES` allows."""
+        """Plans the keys wanted since; starts their ranges in order, within :data:`FETCH_BYTES`."""
         with self._lock:
             wanted, self._wanted = self._wanted, collections.Counter()
             by_file: dict[str, list] = collections.defaultdict(list)
@@ -658,8 +617,7 @@ class RangeReads:
         return value if len(value) == segment.length else None
 
     def _start(self, entry: _Range, key: str) -> _Range:
-        """Issues ``entry``'s GET, or past the memory bound a piece of it from ``key`` on.
-        Under the lock."""
+        """Issues ``entry``'s GET, or past the memory bound a piece of it from ``key`` on."""
         if self._held_bytes and self._held_bytes + entry.nbytes > FETCH_BYTES:
             entry = self._split(entry, key)
         self._issue(entry)

@@ -1,6 +1,7 @@
 """Writing chunks straight from host memory: whole chunks and batch shards cut from the
-snapshot (``ChunkWriter``, both formats), and format version 2's data files
-(``PackedWriter``). Version 1's file per chunk: ``chunk_writer.ChunkFileWriter``.
+snapshot (``ChunkWriter``, both formats), version 1's file per chunk (``ChunkFileWriter``,
+its first pages written with ``O_DIRECT`` where the filesystem allows) and format
+version 2's data files (``PackedWriter``).
 
 One writer per save, driven by the save's background thread only; its futures are
 completed by the writer's own threads.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import ctypes
+import fcntl
 import functools
 import os
 import sys
@@ -25,8 +27,8 @@ from .._base import env as _env
 from .._base import host as _host
 from .._storage import local_files as _local_files
 from .._storage.location import Location, check_name
+from . import arrays as _arrays
 from . import chunks as _chunks
-from . import packed_codec as _codec
 
 _SYNC_FILE_RANGE_WRITE = 2
 DIRECT_ALIGN = 4096  # address, length and file offset of an O_DIRECT write
@@ -50,9 +52,8 @@ _sync_file_range = _load_sync_file_range()
 
 def direct_span(first: np.ndarray, minimum: int = DIRECT_ALIGN) -> tuple[int, int]:
     """(skip, length): ``length`` bytes of whole pages of ``first`` from its first page
-    boundary, ``skip`` bytes in (0, 0: not C-contiguous, or fewer than ``minimum``).
-    Written at a file offset congruent to its address, they are page-aligned in memory
-    and file alike: an ``O_DIRECT`` write of a jax buffer's view, head and tail buffered."""
+    boundary, ``skip`` bytes in (0, 0: not C-contiguous, or fewer than ``minimum``): at a
+    file offset congruent to its address, an ``O_DIRECT`` write (head and tail buffered)."""
     if not first.flags.c_contiguous:
         return 0, 0
     skip = -first.ctypes.data % DIRECT_ALIGN
@@ -97,10 +98,9 @@ class ChunkWriter:
         data: np.ndarray,
         crcs: dict | None = None,
     ) -> list[concurrent.futures.Future] | None:
-        """Starts writing every chunk of the global region ``index`` of the array ``sub``
-        from ``data``; None, writing nothing, when the region is not whole chunks (those
-        cut by the array's end are zero-padded). ``crcs``: ``{chunk grid cell: crc32c}``
-        of chunks checksummed already; the others are checksummed here."""
+        """Starts writing every chunk of the global region ``index`` of array ``sub`` from
+        ``data`` (edge chunks zero-padded); None, writing nothing, when it is not whole
+        chunks. ``crcs``: ``{chunk grid cell: crc32c}`` of chunks checksummed already."""
         region = _chunks.whole_chunks(shape, chunk, index)
         if region is None or data.shape != region[0]:
             return None
@@ -125,9 +125,8 @@ class ChunkWriter:
     def batch(
         self, sub: str, chunk: int, inner: int, data: np.ndarray | Gathered
     ) -> list[concurrent.futures.Future]:
-        """Starts writing the whole 1-D batch array ``sub`` from ``data`` (or its
-        :class:`Gathered` pieces): a zarr3 shard per ``chunk`` elements of checksummed
-        ``inner``-element chunks and its checksummed index."""
+        """Starts writing the whole 1-D batch array ``sub`` from ``data`` (or its pieces): a
+        zarr3 shard per ``chunk`` elements of checksummed ``inner``-element chunks."""
         if isinstance(data, np.ndarray):
             data = Gathered([(0, data)], data.dtype, data.size)
         size, itemsize = data.size, data.dtype.itemsize
@@ -172,9 +171,8 @@ def _zeros(nbytes: int) -> np.ndarray:
 
 
 class Gathered:
-    """A 1-D array's bytes as non-overlapping pieces ``(byte offset, C-contiguous array)``
-    with zeros between (a batch written straight from its leaves' snapshot buffers);
-    ``dtype`` and ``size`` (elements): the array's."""
+    """A 1-D array (``dtype``, ``size`` elements) as non-overlapping pieces ``(byte offset,
+    C-contiguous array)`` with zeros between: a batch straight from its leaves' buffers."""
 
     def __init__(self, pieces: list[tuple[int, np.ndarray]], dtype, size: int):
         ordered = sorted(((int(o), _chunks.as_bytes(a)) for o, a in pieces), key=lambda p: p[0])
@@ -185,8 +183,7 @@ class Gathered:
         self.nbytes = self.size * self.dtype.itemsize
 
     def segments(self, start: int, stop: int, size: int) -> list[np.ndarray]:
-        """Read-only uint8 arrays that together are bytes ``[start, stop)`` (zeros where
-        no piece is, and past ``size``)."""
+        """Read-only uint8 arrays that are bytes ``[start, stop)`` (zeros between, past end)."""
         out: list[np.ndarray] = []
         at = start
         i = max(0, bisect.bisect_right(self._offsets, start) - 1)
@@ -223,15 +220,62 @@ class Gathered:
         return out
 
 
+class ChunkFileWriter(ChunkWriter):
+    """Version 1: each chunk (or batch shard) a file of its own under the local ``root``."""
+
+    def _write_file(self, name: str, pieces: list[np.ndarray]) -> None:
+        path = os.path.join(self._root, check_name(name))
+        parent = os.path.dirname(path)
+        if parent not in self._dirs:
+            os.makedirs(parent, exist_ok=True)
+            self._dirs.add(parent)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o644)
+        try:
+            views = [memoryview(p) for p in pieces if p.size]
+            offset = self._write_direct(fd, pieces[0]) if self._direct and pieces else 0
+            if offset:
+                _chunks.advance(views, offset)
+                os.lseek(fd, offset, os.SEEK_SET)
+            while views:
+                _chunks.advance(views, os.writev(fd, views[: _chunks.IOV_MAX]))
+            if _sync_file_range is not None:  # start writeback now; never waits for it
+                _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+        finally:
+            os.close(fd)
+
+    def _write_direct(self, fd: int, first: np.ndarray) -> int:
+        """Writes ``first``'s page-aligned head with ``O_DIRECT`` (a tenth of a buffered
+        write's system time); returns the bytes written. A refusing filesystem turns it off."""
+        skip, head = direct_span(first)  # its whole pages, when it starts on a page
+        if skip or not head:
+            return 0
+        mode = fcntl.fcntl(fd, fcntl.F_GETFL)
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, mode | O_DIRECT)
+        except OSError:
+            self._direct = False
+            return 0
+        view = memoryview(first.reshape(-1).view(np.uint8))[:head]
+        done = 0
+        try:
+            while done < head:
+                done += os.pwrite(fd, view[done:], done)
+        except OSError:  # the caller writes the rest buffered (and reports a real error)
+            if not done:
+                self._direct = False
+        finally:
+            fcntl.fcntl(fd, fcntl.F_SETFL, mode)
+        return done - done % DIRECT_ALIGN if done < head else done
+
+
 LOCAL_DATA_FILE_BYTES = 1 << 30  # a data file on a local or shared filesystem
 OBJECT_DATA_FILE_BYTES = 256 << 20  # an object (written whole from memory)
 MAX_LANES = 4  # object stores: data files filled (and uploaded) at once
 LANE_BYTES = 64 << 20  # object stores: one more lane per this many bytes to write
 
 
-# A segment starting past a page boundary is written directly only from this size (its
-# file offset skips up to a page to match its address: at most 0.4% more file).
-_UNALIGNED_DIRECT_MIN = 1 << 20
+_UNALIGNED_DIRECT_MIN = 1 << 20  # a segment off a page goes direct from here (<0.4% padding)
 
 
 class PackedWriter(ChunkWriter):
@@ -254,9 +298,7 @@ class PackedWriter(ChunkWriter):
         self._location = location
         self._process = int(process)
         default = LOCAL_DATA_FILE_BYTES if location.is_local else OBJECT_DATA_FILE_BYTES
-        self._target = int(target_bytes or default)
-        if self._target < 1:
-            raise ValueError(f"data_file_bytes: expected a positive size, found {self._target}")
+        self._target = int(target_bytes or default)  # fop.save's data_file_bytes (checked >= 1)
         self._lock = threading.Lock()
         self._files: dict[str, int] = {}  # name -> bytes handed out
         self._fds: dict[str, int] = {}
@@ -270,8 +312,7 @@ class PackedWriter(ChunkWriter):
         self._chunks: dict[str, _chunks.Segment] = {}
 
     def adopt(self, files: dict[str, int], chunks: dict[str, _chunks.Segment]) -> None:
-        """Lists data files already in place (taken from the previous step: name -> size)
-        and their segments, before any write; new chunks go to files after them."""
+        """Lists data files (name -> size) and segments from the previous step, before any write."""
         with self._lock:
             if self._files:
                 raise ValueError("adopt() comes before the first chunk")
@@ -279,8 +320,7 @@ class PackedWriter(ChunkWriter):
             self._chunks.update(chunks)
 
     def encoded(self, sub: str, spec: dict[str, Any], writes: list) -> concurrent.futures.Future:
-        """Starts writing the chunks of ``writes`` (regions of whole chunks of ``sub`` and
-        their values) compressed as ``spec`` says: one segment per chunk."""
+        """Starts writing ``writes`` (whole-chunk regions of ``sub``) as ``spec`` compresses."""
         if self._encoder is None:  # the process's priority: the codecs start threads
             self._encoder = concurrent.futures.ThreadPoolExecutor(
                 _chunks.THREADS, thread_name_prefix="fop-encode"
@@ -288,14 +328,13 @@ class PackedWriter(ChunkWriter):
         return self._encoder.submit(self._write_encoded, sub, spec, writes)
 
     def _write_encoded(self, sub: str, spec: dict[str, Any], writes: list) -> None:
-        for key, value in _codec.encode(spec, writes):
+        for key, value in _arrays.encode(spec, writes):
             raw = np.frombuffer(value, np.uint8)
             if raw.size <= _chunks.CRC_BYTES:
                 raise ValueError(f"{sub}/{key}: an encoded chunk of {raw.size} bytes")
             self._write_file(f"{sub}/{key}", [raw[: -_chunks.CRC_BYTES], raw[-_chunks.CRC_BYTES :]])
 
     def _write_file(self, name: str, pieces: list[np.ndarray]) -> None:
-        """Called by the writer's threads for one chunk (``name``: its version-1 key)."""
         check_name(name)
         pieces = [p for p in pieces if p.size]
         length = sum(p.size for p in pieces)
@@ -338,8 +377,8 @@ class PackedWriter(ChunkWriter):
         return name
 
     def _allocate_local(self, length: int, phase: int | None = None) -> tuple[str, int, int]:
-        """(file, offset, its fd) for a segment of ``length`` bytes; ``phase``: at an offset
-        congruent to it modulo a page (the bytes skipped mean nothing, FORMAT.md)."""
+        """(file, offset, fd) for ``length`` bytes; ``phase``: an offset congruent to it
+        modulo a page (the bytes skipped mean nothing, FORMAT.md)."""
         with self._lock:
             name = self._current
             if name is None or (self._files[name] and self._files[name] + length > self._target):
@@ -356,7 +395,7 @@ class PackedWriter(ChunkWriter):
 
     def _write_direct_at(self, file: str, view: memoryview, offset: int) -> bool:
         """Writes the page-aligned ``view`` at ``offset`` of ``file`` through a second,
-        ``O_DIRECT`` descriptor; False (and direct I/O off) where the filesystem refuses."""
+        ``O_DIRECT`` fd; False (direct I/O off) where the filesystem refuses."""
         try:
             with self._lock:
                 fd = self._direct_fds.get(file)
@@ -373,8 +412,8 @@ class PackedWriter(ChunkWriter):
             return False
 
     def _append(self, array: str, pieces, length: int):
-        """Object stores: adds the segment's pieces (views, joined once at upload) to its
-        lane's file; returns (file, offset, the finished file's (name, pieces) or None)."""
+        """Object stores: adds the pieces (joined at upload) to the array's lane's file;
+        returns (file, offset, the finished file's (name, pieces) or None)."""
         full = None
         with self._lock:
             # an array's chunks go to one lane: side by side, read back by few GETs
@@ -397,8 +436,7 @@ class PackedWriter(ChunkWriter):
         self._location.write_bytes(f"{_chunks.DATA_DIR}/{name}", data)
 
     def close(self) -> None:
-        """Waits for every chunk, writes the last object (object stores) and closes the
-        data files (local; made durable by the save's sync)."""
+        """Waits for every chunk; uploads the last objects, or closes the local files."""
         try:
             if self._encoder is not None:
                 self._encoder.shutdown(wait=True)
@@ -415,8 +453,7 @@ class PackedWriter(ChunkWriter):
             self._fds, self._direct_fds = {}, {}
 
     def index(self, dtypes: dict[str, str] | None = None) -> _chunks.DataIndex:
-        """The index of everything written (after :meth:`close`), with the stored dtype
-        (``dtypes``) of each array with chunks here."""
+        """The index of everything written (after :meth:`close`), with its arrays' ``dtypes``."""
         chunks = dict(self._chunks)
         held = {_chunks.array_prefix(key) for key in chunks}
         arrays = {k: v for k, v in (dtypes or {}).items() if k in held}

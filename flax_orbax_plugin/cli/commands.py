@@ -22,7 +22,6 @@ from .._errors import (
     OptionError,
     StructureError,
 )
-from .._format import describe as _describe
 from .._format import foreign as _foreign
 from .._format import steps as _steps
 from .._interop import safetensors as _safetensors
@@ -264,7 +263,7 @@ def _refuse_other_places(loc: Location, found) -> None:
     """``loc`` holds nothing of a run: refused where it is one level too high or too low
     (a cron job's gc would free nothing, every day) or another library's run."""
     if found.left_alone and not any(loc.exists(n) for n in _steps.RECORD_NAMES):
-        if (where := _describe.misplaced(loc)) is not None:
+        if (where := _steps.misplaced(loc)) is not None:
             raise CliError(f"{where}: gc removes nothing here")
     if (other := _foreign.foreign_run(loc)) is not None:
         raise CliError(

@@ -7,7 +7,6 @@ from functools import partial
 from typing import Any
 
 from .._errors import CheckpointError
-from .._format import describe as _describe
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE, METADATA_FILE
@@ -94,7 +93,7 @@ def describe_missing(loc: Location, listing: _steps.Listing) -> str:
     """What ``loc`` holds instead of committed steps, in the library's words."""
     if loc.exists(METADATA_FILE) and not loc.exists(COMMIT_FILE):
         return f"{loc} is a core checkpoint that was never committed (its save died)"
-    return one_line(_describe.no_steps(loc, listing))
+    return one_line(_steps.no_steps(loc, listing))
 
 
 def _step_items_of(loc: Location, step: int) -> tuple[str, list[Item]]:

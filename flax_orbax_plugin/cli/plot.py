@@ -14,7 +14,7 @@ import os
 import secrets
 from typing import Any
 
-from .._format.describe import holding_checkpoint
+from .._format.steps import holding_checkpoint
 from .._storage.location import Location
 from .main import PLOT_FORMATS
 from .output import CliError, human_bytes

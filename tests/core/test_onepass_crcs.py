@@ -27,7 +27,7 @@ from flax_orbax_plugin._base import host as _host
 from flax_orbax_plugin._core import host_snapshot as _host_snapshot
 from flax_orbax_plugin._core import plan as _plan
 from flax_orbax_plugin._zarr import arrays as _arrays
-from flax_orbax_plugin._zarr import crcs as _crcs
+from flax_orbax_plugin._zarr import chunks as _crcs
 from flax_orbax_plugin._zarr import packed_writer as _chunk_writer
 
 

@@ -13,7 +13,7 @@ import pytest
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._errors import CorruptCheckpointError
-from flax_orbax_plugin._format.layout import records as _records
+from flax_orbax_plugin._format import records as _records
 from flax_orbax_plugin._zarr import arrays as _arrays
 from flax_orbax_plugin._zarr import chunk_files as _chunk_files
 

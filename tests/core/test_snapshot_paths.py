@@ -20,7 +20,7 @@ import flax_orbax_plugin as fop
 from flax_orbax_plugin._base import env as _env
 from flax_orbax_plugin._core import device_copy as _device_copy
 from flax_orbax_plugin._core import host_snapshot as _host_snapshot
-from flax_orbax_plugin._zarr import chunk_writer as _chunk_writer
+from flax_orbax_plugin._zarr import packed_writer as _chunk_writer
 from flax_orbax_plugin._zarr import packed_writer as _packed_writer
 
 

@@ -22,9 +22,9 @@ import flax_orbax_plugin as fop
 from flax_orbax_plugin import cli
 from flax_orbax_plugin._errors import CorruptCheckpointError
 from flax_orbax_plugin._format import layout as _layout
-from flax_orbax_plugin._incremental import copies as _copies
-from flax_orbax_plugin._incremental import links as _links
+from flax_orbax_plugin._incremental import reuse as _copies
 from flax_orbax_plugin._incremental import reuse as _incremental
+from flax_orbax_plugin._incremental import reuse as _links
 from flax_orbax_plugin._zarr import arrays as _arrays
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # this test module, for child processes
@@ -231,8 +231,8 @@ def test_snapshot_crcs_are_the_trailers_the_writer_stores(tmp_path):
     """``chunk_crcs`` gives, for every chunk of a region, the trailer of the file the
     chunk writer stores for it: whole chunks, edge chunks (zero-padded) and chunks that
     are not contiguous in the region (cut along a later axis)."""
-    from flax_orbax_plugin._zarr import chunk_writer as _chunk_writer
-    from flax_orbax_plugin._zarr import crcs as _crcs
+    from flax_orbax_plugin._zarr import chunks as _crcs
+    from flax_orbax_plugin._zarr import packed_writer as _chunk_writer
 
     shape, chunk = (7, 10), (3, 4)
     data = np.arange(70, dtype=np.float32).reshape(shape) * 1.5

@@ -53,7 +53,7 @@ def test_a_source_changed_since_it_was_listed_is_never_taken_for_it(bucket):
     refused by real stores; moto and the emulator ignore both and copy the new bytes),
     and where a store copies anyway, its answer carries the new tag, which
     ``_incremental`` compares with the listed one."""
-    from flax_orbax_plugin._incremental import copies as _incremental
+    from flax_orbax_plugin._incremental import reuse as _incremental
 
     loc = Location.from_path(bucket.url)
     loc.write_bytes("src", b"first version")

@@ -20,7 +20,7 @@ from flax_orbax_plugin._format.layout import BatchRecord
 from flax_orbax_plugin._storage import location as _storage
 from flax_orbax_plugin._zarr import arrays as _arrays
 from flax_orbax_plugin._zarr import chunk_files as _chunk_files
-from flax_orbax_plugin._zarr import chunk_writer as _chunk_writer
+from flax_orbax_plugin._zarr import packed_writer as _chunk_writer
 
 
 def _files(root):

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from flax_orbax_plugin._zarr import crcs as _crcs
+from flax_orbax_plugin._zarr import chunks as _crcs
 
 K = _crcs._copycrc
 needs_kernel = pytest.mark.skipif(K is None, reason="the C extension is not built here")

@@ -27,8 +27,8 @@ from ..._errors import (
     StructureError,
     UnsupportedLocationError,
 )
-from ..._format.describe import holding_checkpoint
 from ..._format.layout import dtype_from_name, manifest_for_item
+from ..._format.steps import holding_checkpoint
 from ..._like.onto_like import check_policy
 from ..._storage.local_files import fsync_dir
 from ..._storage.local_inputs import local_path

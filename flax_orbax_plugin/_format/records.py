@@ -1,16 +1,19 @@
-"""Format version 1's records as a writer makes them: checked JSON (checksums, canonical
-bytes, the field validators every reader shares), bounds, the records of a leaf and a
-batch, the names on disk, ``_METADATA.json``'s document and the commit records.
+"""Format version 1's records as a writer makes them: the dtypes a checkpoint may hold
+(declared once), checked JSON (checksums, canonical bytes, the field validators every
+reader shares), bounds, the records of a leaf and a batch, the names on disk,
+``_METADATA.json``'s document and the commit records.
 
-Pure functions over immutable records; any thread.
+Pure functions over immutable records (the dtype lookups cached); any thread.
 
-Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.layout.records``.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.records``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import importlib
 import json
 import math
 import operator
@@ -19,9 +22,115 @@ import reprlib
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-from ..._errors import CorruptCheckpointError
-from ..._storage import local_files as _local_files
-from .dtypes import SUPPORTED_DTYPES, dtype_from_name
+import numpy as np
+
+from .._errors import CorruptCheckpointError, StructureError
+from .._storage import local_files as _local_files
+
+
+@dataclasses.dataclass(frozen=True)
+class Dtype:
+    """One dtype a checkpoint may hold. ``name``: numpy's (ml_dtypes'), as records store
+    it; ``bits``: of one value (under 8: sub-byte, one value per byte in memory);
+    ``zarr``: its arrays' zarr3 ``data_type`` (its own name where tensorstore knows it,
+    else ``uint8``: the same byte per value); ``safetensors``: its tag, or None."""
+
+    name: str
+    bits: int
+    zarr: str
+    safetensors: str | None
+
+
+def _table(rows: str) -> dict[str, Dtype]:
+    out = {}
+    for row in rows.strip().splitlines():
+        name, bits, zarr, tag = row.split()
+        zarr = name if zarr == "=" else zarr
+        out[name] = Dtype(name, int(bits), zarr, None if tag == "-" else tag)
+    return out
+
+
+# name, bits, zarr3 data_type ("=": its own name), safetensors tag ("-": none). Every
+# dtype jax.numpy offers (tests/format/test_every_dtype.py fails for one not listed).
+DTYPES = _table(
+    """
+    bool                8   =       BOOL
+    int1                1   uint8   -
+    int2                2   =       -
+    int4                4   =       -
+    int8                8   =       I8
+    int16               16  =       I16
+    int32               32  =       I32
+    int64               64  =       I64
+    uint1               1   uint8   -
+    uint2               2   uint8   -
+    uint4               4   uint8   -
+    uint8               8   =       U8
+    uint16              16  =       U16
+    uint32              32  =       U32
+    uint64              64  =       U64
+    float4_e2m1fn       4   =       F4
+    float6_e2m3fn       6   uint8   F6_E2M3
+    float6_e3m2fn       6   uint8   F6_E3M2
+    float8_e3m4         8   =       -
+    float8_e4m3         8   uint8   -
+    float8_e4m3b11fnuz  8   =       -
+    float8_e4m3fn       8   =       F8_E4M3
+    float8_e4m3fnuz     8   =       F8_E4M3FNUZ
+    float8_e5m2         8   =       F8_E5M2
+    float8_e5m2fnuz     8   =       F8_E5M2FNUZ
+    float8_e8m0fnu      8   =       F8_E8M0
+    float16             16  =       F16
+    bfloat16            16  =       BF16
+    float32             32  =       F32
+    float64             64  =       F64
+    complex64           64  =       C64
+    complex128          128 =       -
+    """
+)
+
+
+SUPPORTED_DTYPES = frozenset(DTYPES)
+# The dtypes numpy itself has; every other one is ml_dtypes', imported at the first
+# such dtype resolved (0.3-0.9 s: a command that reads only JSON never pays it).
+NUMPY_NATIVE = frozenset(
+    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 "
+    "complex64 complex128".split()
+)
+
+
+@functools.lru_cache(maxsize=256)
+def dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name``, cached (numpy computes it anew on every access)."""
+    return dtype.name
+
+
+@functools.lru_cache(maxsize=64)
+def dtype_from_name(name: str, *, path: str = "?") -> np.dtype:
+    """numpy dtype for a stored dtype name; a clear error for unknown names."""
+    if name not in SUPPORTED_DTYPES:
+        raise StructureError(
+            f"leaf {path!r}: unknown dtype {name!r} (expected one of {sorted(SUPPORTED_DTYPES)})"
+        )
+    if name in NUMPY_NATIVE:
+        return np.dtype(name)
+    return np.dtype(getattr(importlib.import_module("ml_dtypes"), name))
+
+
+def packable(name: str, shape, chunk) -> bool:
+    """Whether a leaf of dtype ``name``, ``shape`` and ``chunk`` shape is stored packed
+    (``packed_array``): a sub-byte dtype, at least one axis and no empty one, and
+    chunks whose last axis is whole bytes (or the whole axis). FORMAT.md."""
+    bits = DTYPES[name].bits
+    if bits >= 8 or not shape or 0 in shape:
+        return False
+    return chunk[-1] == shape[-1] or chunk[-1] * bits % 8 == 0
+
+
+def packed_bytes(name: str, count: int) -> int:
+    """Bytes of ``count`` values of a sub-byte dtype packed into one bit stream."""
+    return -(-count * DTYPES[name].bits // 8)
+
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", re.ASCII)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$", re.ASCII)
@@ -108,8 +217,7 @@ def time_field(obj: Mapping, key: str, where: str, field: str) -> float:
 
 
 def check_format_version(obj: Mapping, where: str, name: str, key: str, known: int) -> int:
-    """Checks the ``format`` name and returns the version under ``key`` (one this library
-    does not know yet is refused, saying: upgrade)."""
+    """Checks ``format`` and returns the version under ``key`` (a newer one is refused)."""
     need(obj.get("format") == name, where, "format", repr(name), obj.get("format"))
     version = int_field(obj, key, where, key, lo=1, hi=1 << 30)
     if version > known:
@@ -132,7 +240,6 @@ def files_field(obj: Mapping, where: str) -> dict[str, str]:
     return dict(files)
 
 
-MAX_JSON_BYTES = _local_files.METADATA.max_bytes  # every kind's limits: _storage/local_files.py
 MAX_NDIM = 64
 MAX_ARRAY_BYTES = 1 << 50  # 1 PiB: larger "arrays" are damage, not data
 MAX_PROCESSES = 1 << 20
@@ -241,9 +348,7 @@ class LeafRecord:
             out["value"] = self.value
         if self.kind in NO_DATA_KINDS:
             return out
-        out["shape"] = list(self.shape)
-        out["dtype"] = self.dtype
-        out["sharding"] = self.sharding
+        out.update(shape=list(self.shape), dtype=self.dtype, sharding=self.sharding)
         if self.impl is not None:
             out["impl"] = self.impl
         if isinstance(self.storage, ArrayStorage):
@@ -262,8 +367,7 @@ class LeafRecord:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BatchRecord:
-    """A 1-D zarr3 array ``b/<name>/`` holding small leaves of one dtype, written by one
-    process; ``chunk`` elements per stored file."""
+    """1-D zarr3 array ``b/<name>/``: one process's small leaves of a dtype; ``chunk`` per file."""
 
     name: str
     dtype: str
@@ -283,8 +387,7 @@ class BatchRecord:
         return inner
 
     def to_json(self) -> dict[str, Any]:
-        out = {"dtype": self.dtype, "process": self.process, "size": self.size}
-        out["chunk"] = self.chunk
+        out = {"dtype": self.dtype, "process": self.process, "size": self.size, "chunk": self.chunk}
         if self.codec is not None:
             out["codec"] = self.codec
         return out
@@ -371,13 +474,10 @@ class ItemEntry:
 
 @dataclasses.dataclass(frozen=True)
 class StepManifest:
-    """``<step>/_CHECKPOINT.json``: the one commit of a manager step.
-
-    ``files``: the sha256 of every JSON file restore trusts, by path in the step;
-    ``tree_digest``: the digest all processes agreed on; ``bytes_written`` and
-    ``bytes_reused`` (one-process steps only): informational; ``lane``: the
-    :data:`LANES` lane the step was saved in, which retention goes by in a later run.
-    """
+    """``<step>/_CHECKPOINT.json``: the one commit of a manager step. ``files``: the sha256
+    of every JSON file restore trusts, by path in the step; ``tree_digest``: the digest all
+    processes agreed on; ``bytes_written``, ``bytes_reused`` (one process): informational;
+    ``lane``: the :data:`LANES` lane the step was saved in (retention goes by it later)."""
 
     step: int
     items: dict[str, ItemEntry]
@@ -410,8 +510,7 @@ class StepManifest:
 
 @dataclasses.dataclass(frozen=True)
 class CommitMarker:
-    """``_COMMITTED`` of a standalone core checkpoint: written last; its presence is the
-    commit on object stores. Carries the sha256 of ``_METADATA.json``."""
+    """``_COMMITTED`` of a core checkpoint: written last (its presence commits on object stores)."""
 
     files: dict[str, str]
     committed_at: float = 0.0

@@ -1,10 +1,14 @@
-"""The records of format version 1 read back from storage, every field checked before
-anything sized by it is allocated, and the JSON files of a committed step read against
-the checksums its commit recorded (never following a link). Each raises
-:class:`CorruptCheckpointError` naming the file and the field. Only a read runs this;
-where no commit lists a place, the words for it are ``_format.steps``'. Any thread.
+"""The on-disk layout, format version 1: the only place that knows the JSON field names and
+the names on disk (FORMAT.md is the specification). ``records``: the dtypes and the
+records as a writer makes them (their names readers use are re-exported here, ``X as X``);
+here: each record read back from storage, every field checked before anything sized by
+it is allocated, and the JSON files of a committed step read against the checksums its
+commit recorded (never following a link). Each raises :class:`CorruptCheckpointError`
+naming the file and the field; where no commit lists a place, the words for it are
+``steps``'. Last, the frozen result types of :func:`flax_orbax_plugin.metadata`, made
+from the records. Any thread.
 
-Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.layout.records``.
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.layout``.
 """
 
 from __future__ import annotations
@@ -17,52 +21,70 @@ import re
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-from ..._base.key_paths import path_string
-from ..._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
-from ..._storage import local_files as _local_files
-from ..._storage.location import Location
-from .dtypes import DTYPES, SUPPORTED_DTYPES, dtype_from_name, packable, packed_bytes
+from .._base.key_paths import path_string
+from .._errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignEntryError
+from .._storage import local_files as _local_files
+from .._storage.location import Location
 from .records import (
     _CODEC,
-    COMMIT_FILE,
     FORMAT_NAME,
     KEY_KINDS,
     LANES,
     LATEST_FORMAT_VERSION,
     LEAF_KINDS,
-    MANIFEST_FILE,
     MAX_ARRAY_BYTES,
     MAX_NDIM,
     MAX_PROCESSES,
-    MAX_TEXT_BYTES,
-    METADATA_FILE,
-    NO_DATA_KINDS,
     PRNG_IMPLS,
     PRNG_KEY_WORDS,
     SCALAR_KINDS,
     STEP_FORMAT,
-    STEP_VERSION,
-    TEXT_KINDS,
-    ArrayStorage,
-    BatchRecord,
-    BatchStorage,
-    CheckpointDocument,
-    CommitMarker,
-    ItemEntry,
-    LeafRecord,
-    StepManifest,
-    batch_name,
     check_format_version,
     fail,
     files_field,
     int_field,
     is_int,
-    is_safe_name,
     need,
     parse_sealed,
-    sha256,
     time_field,
 )
+from .records import ARRAYS_DIR as ARRAYS_DIR
+from .records import BATCHES_DIR as BATCHES_DIR
+from .records import COMMIT_FILE as COMMIT_FILE
+from .records import DTYPES as DTYPES
+from .records import EMPTY_KINDS as EMPTY_KINDS
+from .records import HOST_FILE as HOST_FILE
+from .records import JSON_VALUE_FILE as JSON_VALUE_FILE
+from .records import MANIFEST_FILE as MANIFEST_FILE
+from .records import MAX_TEXT_BYTES as MAX_TEXT_BYTES
+from .records import METADATA_FILE as METADATA_FILE
+from .records import NO_DATA_KINDS as NO_DATA_KINDS
+from .records import PENDING_FILE as PENDING_FILE
+from .records import STEP_VERSION as STEP_VERSION
+from .records import SUPPORTED_DTYPES as SUPPORTED_DTYPES
+from .records import TEXT_KINDS as TEXT_KINDS
+from .records import ArrayStorage as ArrayStorage
+from .records import BatchRecord as BatchRecord
+from .records import BatchStorage as BatchStorage
+from .records import CheckpointDocument as CheckpointDocument
+from .records import CommitMarker as CommitMarker
+from .records import ItemEntry as ItemEntry
+from .records import LeafRecord as LeafRecord
+from .records import StepManifest as StepManifest
+from .records import array_dir as array_dir
+from .records import batch_dir as batch_dir
+from .records import batch_name as batch_name
+from .records import check_codec as check_codec
+from .records import dtype_from_name as dtype_from_name
+from .records import dtype_name as dtype_name
+from .records import encode as encode
+from .records import is_safe_name as is_safe_name
+from .records import iterator_state_file as iterator_state_file
+from .records import packable as packable
+from .records import packed_bytes as packed_bytes
+from .records import seal as seal
+from .records import sha256 as sha256
+from .records import step_dir as step_dir
 
 # Canonical step names only: ``0`` or digits without a leading zero (``007`` is foreign).
 STEP_NAME = r"(0|[1-9][0-9]{0,17})"
@@ -358,8 +380,7 @@ def text_bytes(value: str, on_error) -> bytes:
 
 
 def _shallow(value: Any, *, depth: int = 4, values: int = 1000) -> bool:
-    """Whether a JSON value nests at most ``depth`` levels and holds at most ``values``
-    values (a sharding description is small; walked without recursion)."""
+    """Whether a JSON value nests at most ``depth`` levels and ``values`` values (no recursion)."""
     stack, seen = [(value, 0)], 0
     while stack:
         x, level = stack.pop()
@@ -486,18 +507,12 @@ def read_item_json(item_loc: Location, name: str) -> object:
     manifest = manifest_for_item(item_loc)
     if manifest is None:
         raise CorruptCheckpointError(f"{where}: not inside a committed step")
-    expected = manifest.files.get(f"{item_loc.name}/{name}")
-    if expected is None:
-        raise CorruptCheckpointError(f"{where}: the step manifest records no checksum for it")
-    raw = item_loc.read_bytes(name)
-    if raw is None:
-        raise CorruptCheckpointError(f"{where} is missing (the step manifest lists it)")
-    return _local_files.parse(_checked(raw, where, expected), where, _local_files.JSON_ITEM)
+    raw = read_listed(item_loc, name, listed=item_checksums(manifest, item_loc.name))
+    return _local_files.parse(raw, where, _local_files.JSON_ITEM)
 
 
 def committed_checksums(location: Location) -> dict[str, str] | None:
-    """The sha256 of each JSON file of the committed checkpoint at ``location``, by name,
-    as its commit marker or step manifest recorded them; None when no commit lists it."""
+    """The sha256 of each JSON file at ``location`` its commit recorded; None if uncommitted."""
     raw_marker = location.read_bytes(COMMIT_FILE)
     if raw_marker is not None:
         return dict(CommitMarker.from_bytes(raw_marker, f"{location}/{COMMIT_FILE}").files)
@@ -514,15 +529,14 @@ def item_checksums(manifest: StepManifest, item_dir: str) -> dict[str, str]:
 
 
 def read_listed(location: Location, name: str, *, listed: dict[str, str]) -> bytes:
-    """The bytes of the JSON file ``name`` of a committed checkpoint, checked against
-    the sha256 its commit recorded (``listed``: :func:`committed_checksums`);
-    CorruptCheckpointError when it is unlisted, missing or changed."""
+    """The JSON file ``name`` of a committed checkpoint, checked against ``listed``
+    (:func:`committed_checksums`); CorruptCheckpointError if unlisted, missing or changed."""
     where = f"{location}/{name}"
     expected = listed.get(name)
     if expected is None:
         raise CorruptCheckpointError(
-            f"{where}: the commit records no checksum for it (the item is not a "
-            f"pytree, or the file list was damaged)"
+            f"{where}: the commit records no checksum for it (not a file of this item, "
+            f"or the file list was damaged)"
         )
     raw = location.read_bytes(name)
     if raw is None:
@@ -538,3 +552,43 @@ def read_listed_document(location: Location, listed: dict[str, str]) -> Checkpoi
     raw = read_listed(location, METADATA_FILE, listed=listed)
     doc = document_from_json(_local_files.parse(raw, where, _local_files.METADATA), where)
     return dataclasses.replace(doc, listed=listed)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafMetadata:
+    """What is known about one saved leaf without reading its data."""
+
+    path: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str | None
+    sharding: dict[str, Any] | None
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointMetadata:
+    """Result of :func:`flax_orbax_plugin.metadata`: the leaves of a checkpoint.
+
+    ``kind``: ``"pytree"``, or the kind of a step's item that holds a JSON value
+    (``"json"``, ``"step"``, ``"data_iterator"``): no leaves, ``fop.restore`` returns
+    the value (``format_version`` is then the step manifest's)."""
+
+    path: str
+    format_version: int
+    created_at: float
+    process_count: int
+    leaves: dict[str, LeafMetadata]
+    kind: str = "pytree"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(leaf.nbytes for leaf in self.leaves.values())
+
+
+def to_public(doc: CheckpointDocument, path: str) -> CheckpointMetadata:
+    leaves = {
+        r.path: LeafMetadata(r.path, r.kind, r.shape, r.dtype, r.sharding, r.nbytes)
+        for r in doc.leaves
+    }
+    return CheckpointMetadata(path, doc.format_version, doc.created_at, doc.process_count, leaves)
