@@ -99,11 +99,12 @@ class TierState:
         """Under ``cond``: the steps queued or being copied."""
         return self.queue | ({self.current} - {None})
 
-    def take_error(self) -> ReplicationError | None:
-        """The error kept, cleared (raised once)."""
+    def raise_error(self) -> None:
+        """Raises the error kept, once (it is cleared)."""
         with self.cond:
             error, self.error = self.error, None
-        return error
+        if error is not None:
+            raise error
 
 
 class Yielding:

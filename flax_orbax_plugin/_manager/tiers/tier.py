@@ -1,9 +1,10 @@
 """PersistentTier: a manager's local directory of steps, replicated to a persistent one.
 
 The façade the manager calls (open, submit, wait, close, steps, ensure_local) over its
-collaborators, sharing one :class:`~.state.TierState`. Who calls what, from which
-thread, the multi-process protocol and the rules on ownership and damage:
-``docs/tiers.md``.
+collaborators, sharing one :class:`~.state.TierState`, and the collective open (the
+primary's part, then its outcome shared in one key-value round: all open alike or all
+raise). Who calls what, from which thread, the multi-process protocol and the rules on
+ownership and damage: ``docs/tiers.md``.
 """
 
 from __future__ import annotations
@@ -12,22 +13,24 @@ import functools
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..._base import distributed as _distributed
+from ..._core import removing as _removing
 from ..._core.handle import checked_timeout
-from ..._errors import OptionError, ReplicationError
+from ..._errors import CheckpointError, DirectoryLockedError, OptionError, ReplicationError
+from ..._format import steps as _steps
+from ..._format.foreign import foreign_run
+from ..._storage import run_owner as _run_owner
 from ..._storage.location import Location
 from ..events import Events
 from ..retention import Retention
-from .copy_down import CopyDown
-from .damaged import DamagedSteps
-from .opening import open_primary, share_open
-from .replicator import Replicator
-from .rounds import Rounds
+from .copy_down import CopyDown, DamagedSteps
+from .replicator import Replicator, Rounds
 from .state import Places, TierState, Yielding
 
 __all__ = ["PersistentTier"]
@@ -124,11 +127,11 @@ class PersistentTier:
         missing: list[int] = []
         failure: BaseException | None = None
         if self._places.primary:
-            remote_steps, missing, failure = open_primary(
+            remote_steps, missing, failure = _open_primary(
                 self._places, self._state, self._damaged, local_steps, self._lease_seconds
             )
         if self._places.multi:
-            remote_steps, missing = share_open(
+            remote_steps, missing = _share_open(
                 self._damaged, self._rounds, remote_steps, missing, failure, region
             )
         state = self._state
@@ -247,7 +250,7 @@ class PersistentTier:
                     break
                 state.cond.wait(left)
             idle = not state.queue and state.current is None
-        self._raise_error()
+        self._state.raise_error()
         return idle
 
     def close(self, timeout: float | None = None, *, raise_errors: bool = True) -> None:
@@ -264,7 +267,12 @@ class PersistentTier:
         follower = self._places.multi and not self._places.primary
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            done = self.wait(timeout) if raise_errors else self._wait_quietly(timeout)
+            done = self.wait(timeout)
+        except ReplicationError as e:
+            if raise_errors:
+                raise
+            logger.error("checkpoint: %s", e)
+            done = False
         finally:
             with state.cond:
                 if follower:
@@ -284,7 +292,7 @@ class PersistentTier:
             if self._thread is None or not self._thread.is_alive():
                 self._release_owner()  # no copy runs any more: the place is free
         if follower and raise_errors:
-            self._raise_error()  # a last round's failure, seen while following
+            self._state.raise_error()  # a last round's failure, seen while following
         if not done and left:
             logger.warning(
                 "checkpoint: steps %s not yet replicated to %s (within %s s); they will be "
@@ -299,14 +307,89 @@ class PersistentTier:
         if self._state.owner is not None:
             self._state.owner.close()  # idempotent
 
-    def _wait_quietly(self, timeout: float | None) -> bool:
-        try:
-            return self.wait(timeout)
-        except ReplicationError as e:
-            logger.error("checkpoint: %s", e)
-            return False
 
-    def _raise_error(self) -> None:
-        error = self._state.take_error()
-        if error is not None:
-            raise error
+def _open_primary(
+    places: Places,
+    state: TierState,
+    damaged: DamagedSteps,
+    local_steps: Iterable[int],
+    lease_seconds: float,
+) -> tuple[list[int], list[int], BaseException | None]:
+    """Primary: takes both places for this run, reads the damage record, removes
+    unfinished copies; returns the persistent steps, the local steps to queue and
+    (several processes) the failure to share."""
+    remote_steps: list[int] = []
+    failure: BaseException | None = None
+    try:
+        held = foreign_run(places.remote)  # its run record would land inside that run
+        if held is not None:
+            raise CheckpointError(
+                f"persistent path {places.remote} holds {held}: a tier writes steps of its "
+                f"own run there; convert them first (`flax-orbax import`), or give the "
+                f"tier a path of its own"
+            )
+        state.owner = _run_owner.RunOwner(
+            places.local,
+            places.remote,
+            lease_seconds=lease_seconds,
+            steps_of=_steps.committed_steps,
+        )
+        state.owner.open()  # this run's place, or DirectoryLockedError/CheckpointError
+        damaged.steps = damaged.read()
+        _remove_unfinished(places.remote)
+        remote_steps = damaged.committed_steps()
+    except BaseException as e:
+        if state.owner is not None:
+            state.owner.close()
+        if not places.multi:
+            raise
+        failure = e
+    latest = remote_steps[-1] if remote_steps else -1
+    missing = [
+        s
+        for s in local_steps
+        if places.due(s) and s not in remote_steps and (s > latest or places.kept_forever(s))
+    ]
+    return remote_steps, missing, failure
+
+
+def _share_open(
+    damaged: DamagedSteps,
+    rounds: Rounds,
+    remote_steps: list[int],
+    missing: list[int],
+    failure: BaseException | None,
+    region: _distributed.Region | None,
+) -> tuple[list[int], list[int]]:
+    """Every process (in ``region``): the primary's persistent steps and steps to queue
+    (returned), damage record and round prefix (set), or its error (raised)."""
+    op = _distributed.next_operation_id("tiers-open", region=region)
+    mine = {
+        "remote": remote_steps,
+        "missing": missing,
+        "damaged": {str(k): v for k, v in damaged.steps.items()},
+        "rounds": secrets.token_hex(6),
+        "error": None if failure is None else [type(failure).__name__, str(failure)],
+    }
+    shared = json.loads(_distributed.broadcast_str(op, json.dumps(mine), region=region))
+    if shared["error"] is not None:  # every process raises the primary's error
+        if failure is not None:
+            raise failure
+        kind, text = shared["error"]
+        cls = DirectoryLockedError if kind == "DirectoryLockedError" else CheckpointError
+        raise cls(f"opening the persistent tier failed on the primary: {text}")
+    damaged.steps = {int(k): v for k, v in shared["damaged"].items()}
+    rounds.prefix = f"fop/{shared['rounds']}/replicate"
+    return shared["remote"], shared["missing"]
+
+
+def _remove_unfinished(remote: Location) -> None:
+    """Primary, at open: removes the persistent tier's copies that never committed,
+    each only once proven ours (``_ownership``); everything else is left alone."""
+    listing = _steps.list_directory(remote)
+    for name in listing.unfinished:
+        _removing.remove_if_ours(remote.child(name), what="unfinished copy")
+    if not remote.is_local:
+        for name in listing.foreign:
+            if _steps.is_step_name(name):
+                _removing.remove_if_ours(remote.child(name), what="uncommitted copy")
