@@ -367,7 +367,11 @@ def _serve_step(loc: Location, steps: list[int], step: int, job: _Serving) -> An
     entry = _pytree_item(items, job.item, f"step {step} of {loc}", step_loc)
     params_loc = step_loc.child(entry.dir)
     like, placing = job.like, job.dtype is not None or job.sharding is not None
-    target = _params_like(like) if job.item == "params" else _item_like(like, job.item)
+    target = like
+    if job.item == "params":
+        target = _params_like(like)
+    elif not (like is None or isinstance(like, Mapping)):  # a training state: its field
+        target = getattr(like, job.item, like)
     if target is None and placing:
         if job.request.dry_run:  # the plan places leaves where like says: it read them all instead
             raise OptionError(
@@ -419,13 +423,6 @@ def _pytree_item(items: Mapping, item: str, where: str, step_loc: Location) -> A
             f"arrays: fop.restore({str(step_loc)!r} + '/{items[item].dir}') reads it"
         )
     return items[item]
-
-
-def _item_like(like: Any, item: str) -> Any:
-    """``like`` for item ``item``: a training state's field of that name, else ``like``."""
-    if like is None or isinstance(like, Mapping):
-        return like
-    return getattr(like, item, like)
 
 
 def _agreed_latest(
