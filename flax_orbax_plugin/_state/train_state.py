@@ -117,20 +117,18 @@ def _merge_optimizer(like: Any, restored: Mapping[str, Any]) -> None:
     nnx.update(like, state)
 
 
-def _merge_module_parts(parts: Any, restored: Mapping[str, Any]) -> list[Any]:
+def _merge_module_parts(parts: Any, restored: Mapping[str, Any]) -> Any:
+    """``parts`` (params, rng, model_state), each given its restored item in place."""
     nnx = _nnx()
-    new_parts = []
     for name, part in zip(_NNX_MODULE_ITEMS, parts, strict=True):
         if name in restored and len(part) > 0:
             nnx.replace_by_pure_dict(part, restored[name])
-        new_parts.append(part)
-    return new_parts
+    return parts
 
 
 def _merge_module(like: Any, restored: Mapping[str, Any]) -> None:
     nnx = _nnx()
-    parts = _merge_module_parts(nnx.state(like, *_module_filters()), restored)
-    for part in parts:
+    for part in _merge_module_parts(nnx.state(like, *_module_filters()), restored):
         if len(part) > 0:
             nnx.update(like, part)
 
