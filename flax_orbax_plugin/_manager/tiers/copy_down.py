@@ -1,14 +1,11 @@
-"""Copy-down: a persistent step made a committed local one, and the persistent steps it
-proved damaged (see ``docs/tiers.md``).
+"""Copy-down: a persistent step made a committed local one (see ``docs/tiers.md``).
 
-Copied into local staging, **verified there in full**, then committed; proven damage
-sets the persistent copy aside (renamed ``<step>.corrupt-<nonce>`` on filesystems,
-recorded in :data:`DAMAGED_FILE` with the damaged manifest's sha256 on object stores:
-never listed, copied down or counted again); environmental errors set nothing aside.
-Training thread, on restore; collective with several processes. The primary reads the
-damage record at open and forgets a step once a good copy replaced it (replicator
-thread): :attr:`DamagedSteps.steps` is replaced, never mutated, so readers on other
-threads see a whole dict.
+Copied into local staging, **verified there in full**, then committed. Proven damage
+sets the persistent copy aside (renamed ``<step>.corrupt-<nonce>``, or recorded in
+:data:`DAMAGED_FILE` on object stores: never copied down or counted again);
+environmental errors set nothing aside. Training thread, on restore; collective with
+several processes. :attr:`DamagedSteps.steps` is replaced, never mutated (the
+replicator thread forgets a step a good copy replaced): readers see a whole dict.
 """
 
 from __future__ import annotations
@@ -45,9 +42,6 @@ class DamagedSteps:
     def __init__(self, remote: Location):
         self.remote = remote
         self.steps: dict[int, str] = {}
-
-    def __contains__(self, step: int) -> bool:
-        return step in self.steps
 
     def committed_steps(self) -> list[int]:
         """Steps committed in the persistent tier now (listed), less the damaged ones."""
@@ -217,7 +211,7 @@ class CopyDown:
         local_final = _steps.step_location(local, step)
         if local_final.exists(MANIFEST_FILE):
             return True
-        if step in self._damaged:
+        if step in self._damaged.steps:
             raise CorruptCheckpointError(
                 f"step {step} of {remote} was proven damaged when it was first copied "
                 f"down, and is never copied down again: {self._damaged.steps[step]}"
@@ -278,7 +272,16 @@ class CopyDown:
                 stopped=lambda: self._state.stop,
                 memory_limit=limit,
             )
-            _verify_copy(staging.location, raw, step, src, limit)
+            # verified in full (its manifest written first), under the memory limit
+            staging.location.write_bytes(MANIFEST_FILE, raw, durable=False)
+            budget = window_bytes(limit)
+            bad = [r for r in verify_step(staging.location, step, budget=budget) if not r.ok]
+            if bad:
+                raise CorruptCheckpointError(
+                    f"step {step} of {src} failed verification after its copy down (nothing "
+                    f"was committed locally): "
+                    + "; ".join(f"{r.item or 'manifest'}: {r.error}" for r in bad)
+                )
             marker = self._state.marker
             if self._places.per_host and marker is not None:  # this host's, with the step
                 staging.location.write_bytes(HOST_FILE, marker(step), durable=False)
@@ -293,17 +296,3 @@ class CopyDown:
 def _error_class(outcome: str) -> type[CheckpointError]:
     """The error a shared outcome that failed is raised as elsewhere."""
     return CorruptCheckpointError if outcome.startswith("corrupt") else CheckpointError
-
-
-def _verify_copy(
-    staging: Location, raw: bytes, step: int, src: Location, limit: int | None
-) -> None:
-    """Verifies a step copied into local staging (its manifest written first) in full,
-    under ``limit``; CorruptCheckpointError naming the persistent file on damage."""
-    staging.write_bytes(MANIFEST_FILE, raw, durable=False)
-    bad = [r for r in verify_step(staging, step, budget=window_bytes(limit)) if not r.ok]
-    if bad:
-        raise CorruptCheckpointError(
-            f"step {step} of {src} failed verification after its copy down (nothing was "
-            f"committed locally): " + "; ".join(f"{r.item or 'manifest'}: {r.error}" for r in bad)
-        )

@@ -32,13 +32,12 @@ from ..._errors import (
 )
 from ..._format import steps as _steps
 from ..._format.layout import MANIFEST_FILE, StepManifest
-from ..._storage.location import Location
 from ..events import StepReplicated, measure_stored
 from ..per_host import HOST_FILE
 from ..retention import steps_to_delete
 from . import files as _files
 from .copy_down import DamagedSteps
-from .state import Places, Stopped, TierState, Yielding
+from .state import Places, Stopped, TierState
 
 __all__ = ["RETRIES", "RETRY_DELAY_S", "Replicator", "Rounds"]
 
@@ -67,10 +66,9 @@ class Rounds:
     """The rounds of one tier: their key-value :attr:`prefix` (agreed at open) and the
     next round's number (the same sequence on every process; replicator thread only)."""
 
-    def __init__(self, places: Places, state: TierState, yielding: Yielding):
+    def __init__(self, places: Places, state: TierState):
         self._places = places
         self._state = state
-        self._yielding = yielding
         self.prefix = ""
         self._round = 0
         # The rounds' region: a replicator thread's error published there ends the others' waits.
@@ -89,7 +87,7 @@ class Rounds:
             dst,
             files,
             manifest,
-            before_file=self._yielding.before_file,
+            before_file=self._state.before_file,
             stopped=lambda: self._state.stop,
             memory_limit=self._places.memory_limit(),
         )
@@ -238,7 +236,7 @@ class Rounds:
         """Follower: copies its share of round ``key``, reports it, settles the outcome."""
         outcome = info.get("outcome")
         if outcome is None:
-            self._yielding.start()
+            self._state.start_yielding()
             status = self.copy_share(step, info["staging"], info["manifest"], key)
             _distributed.publish(f"{key}/status", json.dumps(status), region=self.region)
             # The primary may spend up to one timeout gathering statuses.
@@ -350,13 +348,11 @@ class Replicator:
         self,
         places: Places,
         state: TierState,
-        yielding: Yielding,
         rounds: Rounds,
         damaged: DamagedSteps,
     ):
         self._places = places
         self._state = state
-        self._yielding = yielding
         self._rounds = rounds
         self._damaged = damaged
 
@@ -369,8 +365,8 @@ class Replicator:
                 with state.cond:
                     while not state.queue and not state.stop:
                         state.cond.wait()
-                self._yielding.start()
-                self._yielding.wait()  # then take the newest step, maybe the one just saved
+                state.start_yielding()
+                state.yield_to_save()  # then take the newest step, maybe the one just saved
                 with state.cond:
                     if state.stop:
                         return
@@ -414,9 +410,12 @@ class Replicator:
         self, step: int, attempt: int, rnd: Round | None, before: bytes | None, e: Exception
     ) -> bool:
         """An attempt failed with ``e``: logged, its round finished; whether to retry."""
-        if self._replaced_meanwhile(step, before):
-            # overwrite=True replaced the local step mid-copy: what was read is a
-            # mix of two versions, no damage; the new version was queued itself.
+        try:  # overwrite=True replaced the local step mid-copy? (unknown: the error stands)
+            now = _steps.step_location(self._places.local, step).read_bytes(MANIFEST_FILE)
+        except Exception:  # noqa: BLE001
+            now = before
+        if before is not None and now != before:
+            # what was read is a mix of two versions, no damage; the new one was queued
             logger.info(
                 "checkpoint: step %d was replaced locally while being copied; the "
                 "new version is copied instead (%s)",
@@ -443,14 +442,6 @@ class Replicator:
         self._rounds.finish(rnd, f"failed: {error}")
         return False
 
-    def _replaced_meanwhile(self, step: int, before: bytes | None) -> bool:
-        """Whether the local step's manifest changed since ``before`` was read."""
-        try:
-            now = _steps.step_location(self._places.local, step).read_bytes(MANIFEST_FILE)
-        except Exception:  # noqa: BLE001  (unknown: the error stands as it is)
-            return False
-        return before is not None and now != before
-
     def _replicate(self, step: int, rnd: Round | None) -> bool:
         """Copies one committed local step (``rnd``: every process its share, the primary
         commits); returns False when there was nothing to do."""
@@ -476,12 +467,11 @@ class Replicator:
             final, what=f"step {step} of the persistent tier", replace=True
         )
         t0 = time.perf_counter()
-        nonce = secrets.token_hex(6)
         if not final.supports_rename and found == "step manifest":
             places.remove_step(places.remote, step)  # an older copy of ours: uncommit, remove
         elif not final.supports_rename and found is not None:
             _ownership.remove(final, action="clear the remains of a dead copy at", step=step)
-        nbytes = self._commit(step, rnd, src, raw, manifest, files, final, nonce)
+        nbytes = self._commit(step, rnd, raw, manifest, files)
         self._damaged.forget(step)  # a good copy replaced a damaged one
         with state.cond:
             state.known.add(step)
@@ -500,19 +490,14 @@ class Replicator:
         return True
 
     def _commit(
-        self,
-        step: int,
-        rnd: Round | None,
-        src: Location,
-        raw: bytes,
-        manifest: StepManifest,
-        files: list[str],
-        final: Location,
-        nonce: str,
+        self, step: int, rnd: Round | None, raw: bytes, manifest: StepManifest, files: list[str]
     ) -> int:
         """Copies ``files`` (or in round ``rnd`` this process's share) into the step's
         remote staging, then commits the manifest, last; nothing partial stays. Returns
         the bytes copied."""
+        src = _steps.step_location(self._places.local, step)
+        final = _steps.step_location(self._places.remote, step)
+        nonce = secrets.token_hex(6)
         staging = Staging.begin(final, nonce)
         try:
             if rnd is None:

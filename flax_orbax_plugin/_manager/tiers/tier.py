@@ -31,7 +31,7 @@ from ..events import Events
 from ..retention import Retention
 from .copy_down import CopyDown, DamagedSteps
 from .replicator import Replicator, Rounds
-from .state import Places, TierState, Yielding
+from .state import Places, TierState
 
 __all__ = ["PersistentTier"]
 
@@ -87,13 +87,10 @@ class PersistentTier:
         self._lease_seconds = tier.lease_seconds  # checked, a float: Tier's declaration
         where = (local, remote, retention.rule, remove_step, primary, multi, per_host, tier.every)
         self._places = Places(*where, host_memory, tier.keep_every)
-        self._state = TierState() if events is None else TierState(events=events)
+        self._state = TierState(events=Events() if events is None else events, busy=busy)
         self._damaged = DamagedSteps(self.remote)
-        yielding = Yielding(busy, self._state)
-        self._rounds = Rounds(self._places, self._state, yielding)
-        self._replicator = Replicator(
-            self._places, self._state, yielding, self._rounds, self._damaged
-        )
+        self._rounds = Rounds(self._places, self._state)
+        self._replicator = Replicator(self._places, self._state, self._rounds, self._damaged)
         self._copy_down = CopyDown(self._places, self._state, self._damaged)
         self._thread: threading.Thread | None = None
 
@@ -154,7 +151,7 @@ class PersistentTier:
         decides what is copied; the others' tell their :meth:`wait` what to wait for)."""
         state = self._state
         with state.cond:
-            if not self._due(step):  # Tier(every=): this step stays local
+            if not (self._places.due(step) or step in state.forced):  # Tier(every=), force()
                 return
             if not self._places.primary and self._already_decided(step):
                 return
@@ -164,10 +161,7 @@ class PersistentTier:
     def due(self, step: int) -> bool:
         """Whether ``step`` goes to this tier (``Tier(every=)``, or :meth:`force`)."""
         with self._state.cond:
-            return self._due(step)
-
-    def _due(self, step: int) -> bool:
-        return self._places.due(step) or step in self._state.forced
+            return self._places.due(step) or step in self._state.forced
 
     def force(self, step: int) -> None:
         """``step`` (saved on SIGTERM) goes to this tier whatever ``Tier(every=)`` says."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, replace
 from typing import Any
 
 from ..._base.env import Option, check, found
@@ -40,22 +40,13 @@ PATH = Option("persistent", "custom", convert=functools.partial(check_place, "pe
 """A tier's path, checked as the manager's ``persistent=`` (the name its errors give)."""
 
 FIELDS: tuple[Option, ...] = (
-    Option(
-        KEEP.name,
-        KEEP.kind,
-        none_ok=True,
-        low=1,
-        expected=KEEP.expected,
+    # the manager's own retention fields, without their aliases, documented for the tier
+    replace(
+        KEEP,
+        aliases=(),
         doc="the tier's own retention: its last N steps (None: every replicated step)",
     ),
-    Option(
-        KEEP_EVERY.name,
-        KEEP_EVERY.kind,
-        none_ok=True,
-        low=1,
-        expected=KEEP_EVERY.expected,
-        doc="also keep every step divisible by it there, forever",
-    ),
+    replace(KEEP_EVERY, aliases=(), doc="also keep every step divisible by it there, forever"),
     Option(
         "every",
         "int",
