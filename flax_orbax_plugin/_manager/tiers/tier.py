@@ -1,10 +1,14 @@
-"""PersistentTier: a manager's local directory of steps, replicated to a persistent one.
+"""The persistent tier: its option object :class:`Tier`, and :class:`PersistentTier`,
+a manager's local directory of steps replicated to a persistent one.
 
-The façade the manager calls (open, submit, wait, close, steps, ensure_local) over its
-collaborators, sharing one :class:`~.state.TierState`, and the collective open (the
-primary's part, then its outcome shared in one key-value round: all open alike or all
-raise). Who calls what, from which thread, the multi-process protocol and the rules on
-ownership and damage: ``docs/tiers.md``.
+Each of Tier's fields is declared once (:data:`FIELDS`; the deprecated flat
+``persistent_<field>=`` keywords are the same declarations: ``options.DEPRECATED``);
+a Tier is a frozen value, any thread. PersistentTier is the façade the manager calls
+(open, submit, wait, close, steps, ensure_local) over its collaborators, sharing one
+:class:`~.state.TierState`, and the collective open (the primary's part, then its
+outcome shared in one key-value round: all open alike or all raise). Who calls what,
+from which thread, the multi-process protocol and the rules on ownership and damage:
+``docs/tiers.md``.
 """
 
 from __future__ import annotations
@@ -17,23 +21,27 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import KW_ONLY, dataclass, replace
 from typing import Any
 
 from ..._base import distributed as _distributed
+from ..._base.env import Option, check, found
+from ..._base.keywords import refuse_without
 from ..._core import removing as _removing
 from ..._core.handle import checked_timeout
 from ..._errors import CheckpointError, DirectoryLockedError, OptionError, ReplicationError
 from ..._format import steps as _steps
 from ..._format.foreign import foreign_run
+from ..._storage import lease as _lease
 from ..._storage import run_owner as _run_owner
-from ..._storage.location import Location
+from ..._storage.location import Location, spec_from_path
 from ..events import Events
-from ..retention import Retention
+from ..retention import KEEP, KEEP_EVERY, Retention
 from .copy_down import CopyDown, DamagedSteps
 from .replicator import Replicator, Rounds
 from .state import Places, TierState
 
-__all__ = ["PersistentTier"]
+__all__ = ["FIELDS", "PersistentTier", "Tier", "check_place", "refuse_idle"]
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -387,3 +395,121 @@ def _remove_unfinished(remote: Location) -> None:
         for name in listing.foreign:
             if _steps.is_step_name(name):
                 _removing.remove_if_ours(remote.child(name), what="uncommitted copy")
+
+
+def check_place(name: str, value: Any) -> Any:
+    """A path option ``name`` checked: its type here, what it names by ``spec_from_path``."""
+    if isinstance(value, str) and not value.strip():
+        raise ValueError(f"expected a path or URL, found {found(value)}")
+    if not isinstance(value, str | Location | dict) and not hasattr(value, "__fspath__"):
+        raise TypeError(
+            f"expected a path, an s3:// / gs:// URL or a kvstore dict, found {found(value)}"
+        )
+    if not isinstance(value, Location):
+        spec_from_path(value, what=name)
+    return value
+
+
+PATH = Option("persistent", "custom", convert=functools.partial(check_place, "persistent"))
+"""A tier's path, checked as the manager's ``persistent=`` (the name its errors give)."""
+
+FIELDS: tuple[Option, ...] = (
+    # the manager's own retention fields, without their aliases, documented for the tier
+    replace(
+        KEEP,
+        aliases=(),
+        doc="the tier's own retention: its last N steps (None: every replicated step)",
+    ),
+    replace(KEEP_EVERY, aliases=(), doc="also keep every step divisible by it there, forever"),
+    Option(
+        "every",
+        "int",
+        low=1,
+        default=1,
+        expected="a positive int",
+        doc="replicate only the committed steps divisible by it (and the SIGTERM step)",
+    ),
+    Option(
+        "grace_seconds",
+        "number",
+        low=0,
+        high=threading.TIMEOUT_MAX,
+        default=30.0,
+        expected=f"a number of seconds >= 0 and <= {threading.TIMEOUT_MAX:g}",
+        doc="after SIGTERM, how long the exit waits for its step to be replicated",
+    ),
+    Option(
+        "lease_seconds",
+        "number",
+        low=_lease.MIN_LEASE_SECONDS,
+        high=_lease.MAX_LEASE_SECONDS,
+        default=_lease.LEASE_SECONDS,
+        expected=(
+            f"a number of seconds >= {_lease.MIN_LEASE_SECONDS:g} and <= "
+            f"{_lease.MAX_LEASE_SECONDS:g}"
+        ),
+        doc="on an object store, the lease that makes one live run own the path",
+    ),
+)
+"""The keyword fields of :class:`Tier` (its path is positional)."""
+
+
+def refuse_idle(values: dict[str, Any], local: bool, name: Callable[[str], str] = str) -> None:
+    """Refuses a tier's field that does nothing (``name(field)``: as it was given)."""
+    if values["keep"] is None:
+        refuse_without(
+            name("keep_every"),
+            values["keep_every"],
+            f"{name('keep')}= (the tier keeps every step without it)",
+        )
+    if local:
+        default = _lease.LEASE_SECONDS
+        needs = "a persistent tier on an object store (a filesystem path is held by a lock)"
+        refuse_without(name("lease_seconds"), values["lease_seconds"], needs, default=default)
+
+
+@dataclass(frozen=True)
+class Tier:
+    """A persistent tier: ``path`` (``s3://``, ``gs://``, a shared filesystem path or a
+    kvstore spec) and its keyword fields (``FIELDS``; see docs/tiers.md).
+
+    Checked when made: OptionError naming the field, an UnsupportedLocationError for
+    the path. Frozen; any thread.
+    """
+
+    path: Any
+    _: KW_ONLY
+    keep: int | None = None
+    keep_every: int | None = None
+    every: int = 1
+    grace_seconds: float = 30.0
+    lease_seconds: float = _lease.LEASE_SECONDS
+
+    def __post_init__(self) -> None:
+        PATH.check(self.path)
+        values = check(FIELDS, {o.name: getattr(self, o.name) for o in FIELDS})
+        for field_name, value in values.items():
+            object.__setattr__(self, field_name, value)
+        refuse_idle(values, Location.from_path(self.path).is_local)
+
+    def open(
+        self,
+        local: Location,
+        *,
+        remove_step: Callable[[Location, int], None],
+        busy: Callable[[], bool],
+        per_host: bool,
+        host_memory: int | str | None = None,
+        events: Events | None = None,
+    ) -> PersistentTier:
+        """The ``PersistentTier`` this option describes, replicating ``local`` (the
+        manager's writer open calls it; the other arguments: see PersistentTier)."""
+        return PersistentTier(
+            local,
+            self,
+            remove_step=remove_step,
+            busy=busy,
+            per_host=per_host,
+            host_memory=host_memory,
+            events=events,
+        )
