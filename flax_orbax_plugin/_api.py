@@ -68,7 +68,7 @@ from ._manager.save_rules import (
     SavePolicy,
 )
 from ._manager.step_parts import StepParts
-from ._manager.tiers.tier_option import Tier
+from ._manager.tiers.tier import Tier
 from ._reading.restore import metadata, restore, restore_params
 from ._state.iterators import StepIndexedIterator
 from ._storage.location import Location

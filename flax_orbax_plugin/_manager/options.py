@@ -38,8 +38,8 @@ from .checkpointables import (
 from .lanes import Lane, Lanes
 from .retention import KeepAny, KeepRule, Retention
 from .save_rules import AllOf, AnyOf, SavePolicy, SaveRule
-from .tiers import tier_option as _tier_option
-from .tiers.tier_option import Tier
+from .tiers import tier as _tiers_tier
+from .tiers.tier import Tier
 
 __all__ = [
     "CALLBACK",
@@ -97,7 +97,7 @@ def _checkpointables(value: Any) -> Mapping[str, Any]:
 
 
 DIRECTORY = Option(
-    "directory", "custom", convert=functools.partial(_tier_option.check_place, "directory")
+    "directory", "custom", convert=functools.partial(_tiers_tier.check_place, "directory")
 )
 """The manager's ``directory`` (positional), checked as a tier's path is."""
 
@@ -279,7 +279,7 @@ MANAGER: tuple[Option, ...] = (
 
 DEPRECATED: tuple[Option, ...] = tuple(
     dataclasses.replace(o, name=f"persistent_{o.name}", doc=f"deprecated: Tier(path, {o.name}=)")
-    for o in _tier_option.FIELDS
+    for o in _tiers_tier.FIELDS
 )
 """The deprecated flat ``persistent_<field>`` keywords: a Tier's fields under those names."""
 
@@ -297,7 +297,7 @@ CALLBACK_HINTS: Mapping[str, str] = {
     **HINTS,
     **{
         f"persistent_{o.name}": f"manager_options={{'persistent': fop.Tier(<path>, {o.name}=...)}}"
-        for o in _tier_option.FIELDS
+        for o in _tiers_tier.FIELDS
     },
 }
 """The callback's hints: the flat tier keywords point to a Tier in its manager_options."""
@@ -429,9 +429,9 @@ def _resolve_tier(given: Mapping[str, Any]) -> dict[str, Any]:
                 name, value, "persistent= (the tier it configures)", default=defaults[name]
             )
         return {k: v for k, v in given.items() if k not in flat}
-    local = Location.from_path(_tier_option.PATH.check(path)).is_local
-    full = with_defaults(_tier_option.FIELDS, fields)
-    _tier_option.refuse_idle(full, local, name=lambda f: f"persistent_{f}")
+    local = Location.from_path(_tiers_tier.PATH.check(path)).is_local
+    full = with_defaults(_tiers_tier.FIELDS, fields)
+    _tiers_tier.refuse_idle(full, local, name=lambda f: f"persistent_{f}")
     out = {k: v for k, v in given.items() if k not in flat}
     out["persistent"] = Tier(path, **fields)
     return out
@@ -497,7 +497,7 @@ def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-_GRACE = next(o.default for o in _tier_option.FIELDS if o.name == "grace_seconds")
+_GRACE = next(o.default for o in _tiers_tier.FIELDS if o.name == "grace_seconds")
 
 
 def _compose(out: dict[str, Any]) -> None:

@@ -56,40 +56,15 @@ from .._state.train_state import (
 from .._storage.location import Location
 from .._storage.store_errors import arguments, refusals
 
-__all__ = ["describe", "metadata", "read", "restore", "restore_params"]
+__all__ = ["metadata", "restore", "restore_params"]
 
 # The readers of the kinds that are not pytrees, by the kind the manifest records.
 _READERS = {c.kind: c for c in BUILTIN_CHECKPOINTABLES.values() if c.kind != "pytree"}
 _READERS[_hf_shards.KIND] = _hf_shards.HFShards(every_steps=1)  # {tensor name: array}
 
 
-def read(item: StepItem, like: Any = None, *, changes: dict[str, Any] | None = None) -> Any:
-    """The value of a non-pytree item, read as the manager reads it; ``changes`` (pytrees
-    only) given for a JSON item are refused rather than silently ignored."""
-    reader = _reader(item)
-    asked = {k: v for k, v in (changes or {}).items() if v not in (None, False, "error")}
-    if asked:
-        raise CheckpointError(
-            f"{item.location} is {item.label}, a JSON value: {', '.join(sorted(asked))}= apply "
-            f"to pytrees (restore it without them)"
-        )
-    return reader.restore(item.location, like)
-
-
-def describe(item: StepItem) -> _layout.CheckpointMetadata:
-    """``fop.metadata`` of a non-pytree item, from the step manifest alone."""
-    _reader(item)
-    return _layout.CheckpointMetadata(
-        path=str(item.location),
-        format_version=STEP_VERSION,
-        created_at=item.manifest.time,
-        process_count=item.manifest.process_count,
-        leaves={},
-        kind=item.entry.kind,
-    )
-
-
 def _reader(item: StepItem) -> Any:
+    """The reader of a non-pytree item, as the manager reads it."""
     reader = _READERS.get(item.entry.kind)
     if reader is None:
         raise CheckpointError(
@@ -175,10 +150,17 @@ def _read_place(location: Location, like: Any, request: ReadRequest) -> Any:
     place = _classified(location)
     if place.kind in _steps.PYTREES:
         return update_in_place(like, _restore.restore_with(location, like, request))
-    if place.kind == _steps.JSON_ITEM:
-        opts = request.changes
+    if place.kind == _steps.JSON_ITEM:  # the pytree options are refused, not ignored
+        item, opts = place.item, request.changes
+        reader = _reader(item)
         given = {"partial": opts.partial, "missing": opts.missing, "transform": opts.transform}
-        return read(place.item, like, changes=given)
+        asked = sorted(k for k, v in given.items() if v not in (None, False, "error"))
+        if asked:
+            raise CheckpointError(
+                f"{item.location} is {item.label}, a JSON value: {', '.join(asked)}= apply "
+                f"to pytrees (restore it without them)"
+            )
+        return reader.restore(item.location, like)
     if place.kind != _steps.ORBAX:
         raise _steps.not_a_checkpoint(place)
     return update_in_place(like, _restore_orbax(location, like, request))
@@ -222,23 +204,27 @@ def metadata(path: Any) -> _layout.CheckpointMetadata:
     place = _classified(location)
     if place.kind in _steps.PYTREES:
         return _restore.metadata(location)
-    if place.kind == _steps.JSON_ITEM:
-        return describe(place.item)
-    if place.kind == _steps.ORBAX:
-        raise CheckpointNotFoundError(_orbax_message(location))
-    raise _steps.not_a_checkpoint(place)
-
-
-def _orbax_message(location: Location) -> str:
-    """What the Orbax checkpoint at ``location`` is and how to read it."""
-    try:
+    if place.kind == _steps.JSON_ITEM:  # from the step manifest alone
+        item = place.item
+        _reader(item)
+        return _layout.CheckpointMetadata(
+            path=str(item.location),
+            format_version=STEP_VERSION,
+            created_at=item.manifest.time,
+            process_count=item.manifest.process_count,
+            leaves={},
+            kind=item.entry.kind,
+        )
+    if place.kind != _steps.ORBAX:
+        raise _steps.not_a_checkpoint(place)
+    try:  # what the Orbax checkpoint is, and how to read it
         step, items = open_orbax(location)
         what = f"step {step}, " if step is not None else ""
         only = lone_item(location, items)  # not a step of items: its own name is no item's
         what += f"items {sorted(items)}" if only is None else f"one {only.kind} item"
     except (CheckpointError, OSError) as e:
         what = f"unreadable: {e}"
-    return (
+    raise CheckpointNotFoundError(
         f"{location} is an Orbax checkpoint ({what}), not one of this library's: "
         f"fop.metadata describes this library's checkpoints. Read it as it is with "
         f"fop.restore(path, like) or fop.restore_params, or convert it with "
@@ -274,6 +260,9 @@ def _params_like(like: Any) -> Any:
 def _spans(directory: Any, like: Any = None, *, sharding: Any = None, **_: Any) -> bool:
     """Whether a ``restore_params`` call is collective (data on other processes' devices)."""
     return _restore.spans_processes(_params_like(like), sharding)
+
+
+_SHARDINGS = (jax.sharding.Sharding, Mapping, list, tuple)
 
 
 @public("restore-params", spans=_spans, errors=refusals(arguments("directory")))
@@ -326,7 +315,14 @@ def restore_params(
     )
     modes = {"dry_run": dry_run, "cast": cast, "changes": changes}  # each checked here
     request = _restore.read_request(region=region, memory_limit_bytes=memory_limit_bytes, **modes)
-    sharding = _checked_placement(dtype, sharding)
+    if dtype is not None:
+        checked_dtype(dtype)
+    if not (sharding is None or isinstance(sharding, _SHARDINGS)):
+        raise OptionTypeError(
+            f"sharding: expected one jax Sharding or a pytree of them, found "
+            f"{type(sharding).__name__} {sharding!r:.60}"
+        )
+    sharding = concrete(sharding, option="sharding")  # an AbstractMesh's onto set_mesh's
     return _serve(directory, step, _Serving(like, item, dtype, sharding, request))
 
 
@@ -338,21 +334,6 @@ class _Serving(NamedTuple):
     dtype: Any
     sharding: Any
     request: ReadRequest
-
-
-def _checked_placement(dtype: Any, sharding: Any) -> Any:
-    """``dtype`` checked and ``sharding`` (an AbstractMesh's onto set_mesh's), or refused."""
-    if dtype is not None:
-        checked_dtype(dtype)
-    if not (sharding is None or isinstance(sharding, _SHARDINGS)):
-        raise OptionTypeError(
-            f"sharding: expected one jax Sharding or a pytree of them, found "
-            f"{type(sharding).__name__} {sharding!r:.60}"
-        )
-    return concrete(sharding, option="sharding")
-
-
-_SHARDINGS = (jax.sharding.Sharding, Mapping, list, tuple)
 
 
 def _serve(directory: Any, step: int | None, job: _Serving) -> Any:
@@ -384,7 +365,11 @@ def _serve_step(loc: Location, steps: list[int], step: int, job: _Serving) -> An
     entry = _pytree_item(items, job.item, f"step {step} of {loc}", step_loc)
     params_loc = step_loc.child(entry.dir)
     like, placing = job.like, job.dtype is not None or job.sharding is not None
-    target = _params_like(like) if job.item == "params" else _item_like(like, job.item)
+    target = like
+    if job.item == "params":
+        target = _params_like(like)
+    elif not (like is None or isinstance(like, Mapping)):  # a training state: its field
+        target = getattr(like, job.item, like)
     if target is None and placing:
         if job.request.dry_run:  # the plan places leaves where like says: it read them all instead
             raise OptionError(
@@ -394,9 +379,11 @@ def _serve_step(loc: Location, steps: list[int], step: int, job: _Serving) -> An
         return _host_then_placed(params_loc, job)
     target, back = nnx_state_as_dict(target)  # an nnx.State like: read as its pure dict
     changes = job.request.changes
-    if changes.transform is None and is_nnx(like) and _saved_as_nnx_state(params_loc):
-        # params saved as an nnx.State (each leaf at <path>/value) into a module's form
-        changes = dataclasses.replace(changes, transform=compile_transform({r"/value$": ""}))
+    if changes.transform is None and is_nnx(like):
+        paths = list(_restore.metadata(params_loc).leaves)
+        if paths and all(p.endswith("/value") for p in paths):
+            # params saved as an nnx.State (each leaf at <path>/value) into a module's form
+            changes = dataclasses.replace(changes, transform=compile_transform({r"/value$": ""}))
     if target is not None and placing:
         target = retarget(target, job.dtype, job.sharding)
     try:
@@ -409,7 +396,13 @@ def _serve_step(loc: Location, steps: list[int], step: int, job: _Serving) -> An
         raise
     except StructureError as e:  # model.init's output given whole: say so
         if isinstance(target, Mapping) and "params" in target and e.args:
-            hint = _variables_hint(target, items, step_loc)
+            hint = (
+                "like holds a 'params' key at its top (model.init's output?): pass like['params']"
+            )
+            others = sorted(str(k) for k in target if k != "params" and str(k) in items)
+            if others:  # batch_stats ...: items of their own, read by fop.restore
+                where = f"fop.restore({str(step_loc)!r} + '/{others[0]}')"
+                hint += f"; {others} are items of their own: {where}"
             e.args = (f"{e.args[0]}\n{hint}", *e.args[1:])
         raise
 
@@ -428,29 +421,6 @@ def _pytree_item(items: Mapping, item: str, where: str, step_loc: Location) -> A
             f"arrays: fop.restore({str(step_loc)!r} + '/{items[item].dir}') reads it"
         )
     return items[item]
-
-
-def _item_like(like: Any, item: str) -> Any:
-    """``like`` for item ``item``: a training state's field of that name, else ``like``."""
-    if like is None or isinstance(like, Mapping):
-        return like
-    return getattr(like, item, like)
-
-
-def _variables_hint(target: Mapping, items: Mapping, step_loc: Location) -> str:
-    """What to do with a like holding ``params`` at its top (model.init's output)."""
-    hint = "like holds a 'params' key at its top (model.init's output?): pass like['params']"
-    others = sorted(str(k) for k in target if k != "params" and str(k) in items)
-    if others:  # batch_stats ...: items of their own, read by fop.restore
-        where = f"fop.restore({str(step_loc)!r} + '/{others[0]}')"
-        hint += f"; {others} are items of their own: {where}"
-    return hint
-
-
-def _saved_as_nnx_state(params_loc: Location) -> bool:
-    """Whether the params were saved as an ``nnx.State`` (every path ends in ``/value``)."""
-    paths = list(_restore.metadata(params_loc).leaves)
-    return bool(paths) and all(p.endswith("/value") for p in paths)
 
 
 def _agreed_latest(

@@ -16,12 +16,9 @@ from .._errors import OptionTypeError
 __all__ = ["StepIndexedIterator", "check_iterator", "iterator_state", "set_iterator_state"]
 
 
-def _count(state: Any, key: str) -> int:
-    value = state.get(key)
+def _count(value: Any, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(
-            f"StepIndexedIterator.set_state: {key!r} must be a non-negative int, found {value!r}"
-        )
+        raise ValueError(f"{what} must be a non-negative int, found {value!r}")
     return value
 
 
@@ -136,7 +133,8 @@ class StepIndexedIterator:
             raise ValueError(
                 f"StepIndexedIterator.set_state: expected a dict, found {type(state).__name__}"
             )
-        index = _count(state, "index")
+        where = "StepIndexedIterator.set_state: "
+        index = _count(state.get("index"), f"{where}'index'")
         if self._make_batch is not None:
             if "epoch" in state:
                 raise ValueError(
@@ -150,7 +148,8 @@ class StepIndexedIterator:
                 "StepIndexedIterator.set_state: the state has no 'epoch' (saved by the "
                 "make_batch form) but this iterator has make_epoch"
             )
-        epoch, offset = _count(state, "epoch"), _count(state, "offset")
+        epoch = _count(state.get("epoch"), f"{where}'epoch'")
+        offset = _count(state.get("offset"), f"{where}'offset'")
         self._index, self._epoch, self._offset = index, epoch, offset
         self._it = None
 
@@ -166,8 +165,7 @@ class StepIndexedIterator:
 
     def seek(self, index: int) -> None:
         """Positions the iterator so that the next batch is batch ``index`` overall."""
-        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
-            raise ValueError(f"seek: index must be a non-negative int, found {index!r}")
+        _count(index, "seek: index")
         if self._make_batch is not None:
             self._index = index
             return

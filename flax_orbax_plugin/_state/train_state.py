@@ -117,20 +117,18 @@ def _merge_optimizer(like: Any, restored: Mapping[str, Any]) -> None:
     nnx.update(like, state)
 
 
-def _merge_module_parts(parts: Any, restored: Mapping[str, Any]) -> list[Any]:
+def _merge_module_parts(parts: Any, restored: Mapping[str, Any]) -> Any:
+    """``parts`` (params, rng, model_state), each given its restored item in place."""
     nnx = _nnx()
-    new_parts = []
     for name, part in zip(_NNX_MODULE_ITEMS, parts, strict=True):
         if name in restored and len(part) > 0:
             nnx.replace_by_pure_dict(part, restored[name])
-        new_parts.append(part)
-    return new_parts
+    return parts
 
 
 def _merge_module(like: Any, restored: Mapping[str, Any]) -> None:
     nnx = _nnx()
-    parts = _merge_module_parts(nnx.state(like, *_module_filters()), restored)
-    for part in parts:
+    for part in _merge_module_parts(nnx.state(like, *_module_filters()), restored):
         if len(part) > 0:
             nnx.update(like, part)
 
@@ -155,39 +153,31 @@ def _merge_nnx(like: Any, kind: str, restored: Mapping[str, Any]) -> Any:
     return like
 
 
-def _add_items(items: dict[str, Any], owners: dict[str, str], new: Mapping[str, Any], where: str):
-    for name, value in new.items():
-        if name in items:
-            raise TypeError(
-                f"{owners[name]} and {where} both provide item {name!r}; keep one of them "
-                "apart as a pytree item of its own, e.g. a dict "
-                "{'model': model, 'optimizer': optimizer, 'ema': nnx.state(ema_model)}"
-            )
-        items[name] = value
-        owners[name] = where
-
-
-def _split_sequence(state: list | tuple) -> dict[str, Any]:
+def _split_parts(state: Mapping[str, Any] | list | tuple) -> dict[str, Any]:
+    """The items of each part of a dict or tuple of parts, two providing one refused."""
     items: dict[str, Any] = {}
     owners: dict[str, str] = {}
-    for i, element in enumerate(state):
-        if _nnx_kind(element) is None and not _is_struct_dataclass(element):
-            raise TypeError(
-                f"state[{i}]: expected {_ELEMENT_KINDS}, found {type(element).__name__}"
-            )
-        _add_items(items, owners, split_state(element), f"state[{i}]")
-    return items
-
-
-def _split_mapping(state: Mapping[str, Any]) -> dict[str, Any]:
-    items: dict[str, Any] = {}
-    owners: dict[str, str] = {}
-    for key, value in state.items():
-        if not isinstance(key, str):
+    pairs = state.items() if isinstance(state, Mapping) else enumerate(state)
+    for key, value in pairs:
+        where = f"state[{key!r}]"
+        if not isinstance(state, Mapping):
+            if _nnx_kind(value) is None and not _is_struct_dataclass(value):
+                raise TypeError(f"{where}: expected {_ELEMENT_KINDS}, found {type(value).__name__}")
+            parts = split_state(value)
+        elif not isinstance(key, str):
             raise TypeError(f"item names must be str, found {key!r}")
-        kind = _nnx_kind(value)
-        parts = _split_nnx(value, kind) if kind in _NNX_GRAPH_KINDS else {key: value}
-        _add_items(items, owners, parts, f"state[{key!r}]")
+        else:
+            kind = _nnx_kind(value)
+            parts = _split_nnx(value, kind) if kind in _NNX_GRAPH_KINDS else {key: value}
+        for name, part in parts.items():
+            if name in items:
+                raise TypeError(
+                    f"{owners[name]} and {where} both provide item {name!r}; keep one of them "
+                    "apart as a pytree item of its own, e.g. a dict "
+                    "{'model': model, 'optimizer': optimizer, 'ema': nnx.state(ema_model)}"
+                )
+            items[name] = part
+            owners[name] = where
     return items
 
 
@@ -200,11 +190,11 @@ def split_state(state: Any) -> dict[str, Any]:
     if kind is not None:
         return _split_nnx(state, kind)
     if isinstance(state, Mapping):
-        return _split_mapping(state)
+        return _split_parts(state)
     if _is_struct_dataclass(state):
         return {name: getattr(state, name) for name in _pytree_fields(state)}
     if isinstance(state, list | tuple) and state:
-        return _split_sequence(state)
+        return _split_parts(state)
     raise TypeError(
         f"cannot split a {type(state).__name__} into checkpointables: expected a Flax "
         "TrainState (or other flax.struct dataclass), an nnx.Module, nnx.Optimizer, "

@@ -15,7 +15,7 @@ import pytest
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._base.keywords import doc_table
 from flax_orbax_plugin._manager import options as option_table
-from flax_orbax_plugin._manager.tiers import tier_option
+from flax_orbax_plugin._manager.tiers import tier as tier_option
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(ROOT, "flax_orbax_plugin")

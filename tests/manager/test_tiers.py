@@ -389,7 +389,7 @@ def test_persistent_every_replicates_only_due_steps_and_keeps_them_until_there(
     hold = threading.Event()
     hold.set()
     with fop.CheckpointManager(local, keep=1, persistent=fop.Tier(str(remote), every=3)) as mngr:
-        mngr.persistent._replicator._yielding._busy = hold.is_set
+        mngr.persistent._state.busy = hold.is_set
         for s in range(1, 6):
             mngr.save(s, state(s))
             mngr.wait()

@@ -1,12 +1,16 @@
 """Copy-down: a persistent step made a committed local one (see ``docs/tiers.md``).
 
-Copied into local staging, **verified there in full**, then committed; proven damage
-sets the persistent copy aside, environmental errors set nothing aside. Training
-thread, on restore; collective with several processes.
+Copied into local staging, **verified there in full**, then committed. Proven damage
+sets the persistent copy aside (renamed ``<step>.corrupt-<nonce>``, or recorded in
+:data:`DAMAGED_FILE` on object stores: never copied down or counted again);
+environmental errors set nothing aside. Training thread, on restore; collective with
+several processes. :attr:`DamagedSteps.steps` is replaced, never mutated (the
+replicator thread forgets a step a good copy replaced): readers see a whole dict.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 import time
@@ -19,15 +23,130 @@ from ..._core.verify import verify_step, window_bytes
 from ..._errors import CheckpointError, CorruptCheckpointError, ForeignEntryError
 from ..._format import steps as _steps
 from ..._format.layout import MANIFEST_FILE
+from ..._storage import local_files as _local_files
 from ..._storage.location import Location
 from ..per_host import HOST_FILE
 from . import files as _files
-from .damaged import DamagedSteps
 from .state import Places, TierState
 
-__all__ = ["CopyDown"]
+__all__ = ["DAMAGED_FILE", "CopyDown", "DamagedSteps"]
 
 logger = logging.getLogger("flax_orbax_plugin")
+
+DAMAGED_FILE = "_DAMAGED.json"  # object stores: the record of the damaged steps
+
+
+class DamagedSteps:
+    """The damaged steps of one persistent location: ``steps``, ``{step: what failed}``."""
+
+    def __init__(self, remote: Location):
+        self.remote = remote
+        self.steps: dict[int, str] = {}
+
+    def committed_steps(self) -> list[int]:
+        """Steps committed in the persistent tier now (listed), less the damaged ones."""
+        damaged = self.steps
+        return [s for s in _steps.committed_steps(self.remote) if s not in damaged]
+
+    def read(self) -> dict[int, str]:
+        """Primary, at open: the recorded damaged steps whose manifest is unchanged."""
+        if self.remote.is_local:
+            return {}
+        raw = self.remote.read_bytes(DAMAGED_FILE)
+        if raw is None:
+            return {}
+        where = f"{self.remote}/{DAMAGED_FILE}"
+        try:
+            doc = _local_files.parse(raw, where, _local_files.TIER_RECORD)
+            steps = doc["steps"]
+            if doc.get("library") != "flax_orbax_plugin" or not isinstance(steps, dict):
+                raise ValueError("not a damage record of this library")
+            out = {}
+            for name, info in steps.items():
+                if not _steps.is_step_name(name) or not isinstance(info, dict):
+                    raise ValueError(f"field steps: entry {name!r} is no step record")
+                current = self.remote.child(name).read_bytes(MANIFEST_FILE)
+                if current is not None and hashlib.sha256(current).hexdigest() == info.get(
+                    "manifest_sha256"
+                ):
+                    out[int(name)] = str(info.get("error", ""))
+            return out
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise CorruptCheckpointError(
+                f"{where}: expected this library's record of damaged steps, found {e}"
+            ) from None
+
+    def _write(self, damaged: dict[int, str], shas: dict[int, str]) -> None:
+        doc = {
+            "library": "flax_orbax_plugin",
+            "kind": "damaged steps",
+            "steps": {
+                str(s): {"manifest_sha256": shas[s], "error": _text(damaged[s][:2000])}
+                for s in sorted(damaged)
+                if s in shas
+            },
+        }
+        raw = _local_files.encode(
+            doc, DAMAGED_FILE, _local_files.TIER_RECORD, sort_keys=True, separators=None
+        )
+        self.remote.write_bytes(DAMAGED_FILE, raw)
+
+    def set_aside(self, step: int, raw: bytes, error: Exception) -> None:
+        """Primary, after a verified copy-down proved ``step`` damaged: renamed aside, or
+        recorded (object stores); a failure to do so is logged (the damage is raised)."""
+        text = str(error)
+        try:
+            if self.remote.supports_rename:
+                name = f"{step}.corrupt-{secrets.token_hex(6)}"
+                _steps.step_location(self.remote, step).rename(self.remote.child(name))
+                logger.warning(
+                    "checkpoint: step %d of %s is damaged (%s); moved aside to %s",
+                    step,
+                    self.remote,
+                    text,
+                    name,
+                )
+                return
+            self.steps = {**self.steps, step: text}
+            shas = self._shas()
+            shas[step] = hashlib.sha256(raw).hexdigest()
+            self._write(self.steps, shas)
+            logger.warning(
+                "checkpoint: step %d of %s is damaged (%s); recorded in %s, never copied "
+                "down again",
+                step,
+                self.remote,
+                text,
+                DAMAGED_FILE,
+            )
+        except Exception as e:  # noqa: BLE001  (the damage is what gets raised)
+            self.steps = {**self.steps, step: text}  # this process skips it anyway
+            logger.warning(
+                "checkpoint: could not set step %d of %s aside: %s", step, self.remote, e
+            )
+
+    def _shas(self) -> dict[int, str]:
+        out = {}
+        for s in self.steps:
+            current = self.remote.child(str(s)).read_bytes(MANIFEST_FILE)
+            if current is not None:
+                out[s] = hashlib.sha256(current).hexdigest()
+        return out
+
+    def forget(self, step: int) -> None:
+        """Replicator, after committing ``step``: a damaged copy it replaced is gone."""
+        if step not in self.steps:
+            return
+        self.steps = {s: e for s, e in self.steps.items() if s != step}
+        try:
+            self._write(self.steps, self._shas())
+        except Exception as e:  # noqa: BLE001  (the stale entry no longer matches anyway)
+            logger.warning("checkpoint: could not update %s/%s: %s", self.remote, DAMAGED_FILE, e)
+
+
+def _text(message: str) -> str:
+    """An error message as text UTF-8 encodes (a lone surrogate escaped)."""
+    return message.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class CopyDown:
@@ -92,7 +211,7 @@ class CopyDown:
         local_final = _steps.step_location(local, step)
         if local_final.exists(MANIFEST_FILE):
             return True
-        if step in self._damaged:
+        if step in self._damaged.steps:
             raise CorruptCheckpointError(
                 f"step {step} of {remote} was proven damaged when it was first copied "
                 f"down, and is never copied down again: {self._damaged.steps[step]}"
@@ -153,7 +272,16 @@ class CopyDown:
                 stopped=lambda: self._state.stop,
                 memory_limit=limit,
             )
-            _verify_copy(staging.location, raw, step, src, limit)
+            # verified in full (its manifest written first), under the memory limit
+            staging.location.write_bytes(MANIFEST_FILE, raw, durable=False)
+            budget = window_bytes(limit)
+            bad = [r for r in verify_step(staging.location, step, budget=budget) if not r.ok]
+            if bad:
+                raise CorruptCheckpointError(
+                    f"step {step} of {src} failed verification after its copy down (nothing "
+                    f"was committed locally): "
+                    + "; ".join(f"{r.item or 'manifest'}: {r.error}" for r in bad)
+                )
             marker = self._state.marker
             if self._places.per_host and marker is not None:  # this host's, with the step
                 staging.location.write_bytes(HOST_FILE, marker(step), durable=False)
@@ -168,17 +296,3 @@ class CopyDown:
 def _error_class(outcome: str) -> type[CheckpointError]:
     """The error a shared outcome that failed is raised as elsewhere."""
     return CorruptCheckpointError if outcome.startswith("corrupt") else CheckpointError
-
-
-def _verify_copy(
-    staging: Location, raw: bytes, step: int, src: Location, limit: int | None
-) -> None:
-    """Verifies a step copied into local staging (its manifest written first) in full,
-    under ``limit``; CorruptCheckpointError naming the persistent file on damage."""
-    staging.write_bytes(MANIFEST_FILE, raw, durable=False)
-    bad = [r for r in verify_step(staging, step, budget=window_bytes(limit)) if not r.ok]
-    if bad:
-        raise CorruptCheckpointError(
-            f"step {step} of {src} failed verification after its copy down (nothing was "
-            f"committed locally): " + "; ".join(f"{r.item or 'manifest'}: {r.error}" for r in bad)
-        )

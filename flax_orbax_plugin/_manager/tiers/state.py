@@ -18,7 +18,7 @@ from ..._storage.run_owner import RunOwner
 from ..events import Events
 from ..retention import KeepRule
 
-__all__ = ["MAX_DEFER_S", "Places", "Stopped", "TierState", "Yielding"]
+__all__ = ["MAX_DEFER_S", "Places", "Stopped", "TierState"]
 
 # A copy yields to the training loop's own save: it waits while a local save is in
 # flight (before each step and each file), but no longer than this per step, so a
@@ -84,6 +84,10 @@ class TierState:
     marker: Callable[[int], bytes] | None = None
     # Steps replicated whatever ``Tier(every=)`` says (the step saved on SIGTERM).
     forced: set[int] = dataclasses.field(default_factory=set)
+    # A copy up yields to the manager's own save (replicator thread): it waits while
+    # ``busy()``, within a step's window of MAX_DEFER_S from :meth:`start_yielding`.
+    busy: Callable[[], bool] = lambda: False
+    defer_until: float = 0.0
 
     def drop_older(self, step: int, kept_forever: Callable[[int], bool]) -> None:
         """Under ``cond``: drop queued steps older than ``step`` that the persistent
@@ -99,30 +103,21 @@ class TierState:
         """Under ``cond``: the steps queued or being copied."""
         return self.queue | ({self.current} - {None})
 
-    def take_error(self) -> ReplicationError | None:
-        """The error kept, cleared (raised once)."""
-        with self.cond:
-            error, self.error = self.error, None
-        return error
+    def start_yielding(self) -> None:
+        self.defer_until = time.monotonic() + MAX_DEFER_S
 
-
-class Yielding:
-    """A copy up yields to the manager's own save: :meth:`wait` sleeps while ``busy()``
-    within a step's window of :data:`MAX_DEFER_S` (:meth:`start`)."""
-
-    def __init__(self, busy: Callable[[], bool], state: TierState):
-        self._busy = busy
-        self._state = state
-        self._defer_until = 0.0
-
-    def start(self) -> None:
-        self._defer_until = time.monotonic() + MAX_DEFER_S
-
-    def wait(self) -> None:
-        while not self._state.stop and time.monotonic() < self._defer_until and self._busy():
+    def yield_to_save(self) -> None:
+        while not self.stop and time.monotonic() < self.defer_until and self.busy():
             time.sleep(0.005)
 
     def before_file(self) -> None:
         """Before each file copied up: yield, then the fault point of the tests."""
-        self.wait()
+        self.yield_to_save()
         _env.fail_point("replicate_file")
+
+    def raise_error(self) -> None:
+        """Raises the error kept, once (it is cleared)."""
+        with self.cond:
+            error, self.error = self.error, None
+        if error is not None:
+            raise error

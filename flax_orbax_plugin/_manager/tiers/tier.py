@@ -1,8 +1,13 @@
-"""PersistentTier: a manager's local directory of steps, replicated to a persistent one.
+"""The persistent tier: its option object :class:`Tier`, and :class:`PersistentTier`,
+a manager's local directory of steps replicated to a persistent one.
 
-The façade the manager calls (open, submit, wait, close, steps, ensure_local) over its
-collaborators, sharing one :class:`~.state.TierState`. Who calls what, from which
-thread, the multi-process protocol and the rules on ownership and damage:
+Each of Tier's fields is declared once (:data:`FIELDS`; the deprecated flat
+``persistent_<field>=`` keywords are the same declarations: ``options.DEPRECATED``);
+a Tier is a frozen value, any thread. PersistentTier is the façade the manager calls
+(open, submit, wait, close, steps, ensure_local) over its collaborators, sharing one
+:class:`~.state.TierState`, and the collective open (the primary's part, then its
+outcome shared in one key-value round: all open alike or all raise). Who calls what,
+from which thread, the multi-process protocol and the rules on ownership and damage:
 ``docs/tiers.md``.
 """
 
@@ -12,25 +17,31 @@ import functools
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import KW_ONLY, dataclass, replace
 from typing import Any
 
 from ..._base import distributed as _distributed
+from ..._base.env import Option, check, found
+from ..._base.keywords import refuse_without
+from ..._core import removing as _removing
 from ..._core.handle import checked_timeout
-from ..._errors import OptionError, ReplicationError
-from ..._storage.location import Location
+from ..._errors import CheckpointError, DirectoryLockedError, OptionError, ReplicationError
+from ..._format import steps as _steps
+from ..._format.foreign import foreign_run
+from ..._storage import lease as _lease
+from ..._storage import run_owner as _run_owner
+from ..._storage.location import Location, spec_from_path
 from ..events import Events
-from ..retention import Retention
-from .copy_down import CopyDown
-from .damaged import DamagedSteps
-from .opening import open_primary, share_open
-from .replicator import Replicator
-from .rounds import Rounds
-from .state import Places, TierState, Yielding
+from ..retention import KEEP, KEEP_EVERY, Retention
+from .copy_down import CopyDown, DamagedSteps
+from .replicator import Replicator, Rounds
+from .state import Places, TierState
 
-__all__ = ["PersistentTier"]
+__all__ = ["FIELDS", "PersistentTier", "Tier", "check_place", "refuse_idle"]
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -84,13 +95,10 @@ class PersistentTier:
         self._lease_seconds = tier.lease_seconds  # checked, a float: Tier's declaration
         where = (local, remote, retention.rule, remove_step, primary, multi, per_host, tier.every)
         self._places = Places(*where, host_memory, tier.keep_every)
-        self._state = TierState() if events is None else TierState(events=events)
+        self._state = TierState(events=Events() if events is None else events, busy=busy)
         self._damaged = DamagedSteps(self.remote)
-        yielding = Yielding(busy, self._state)
-        self._rounds = Rounds(self._places, self._state, yielding)
-        self._replicator = Replicator(
-            self._places, self._state, yielding, self._rounds, self._damaged
-        )
+        self._rounds = Rounds(self._places, self._state)
+        self._replicator = Replicator(self._places, self._state, self._rounds, self._damaged)
         self._copy_down = CopyDown(self._places, self._state, self._damaged)
         self._thread: threading.Thread | None = None
 
@@ -124,11 +132,11 @@ class PersistentTier:
         missing: list[int] = []
         failure: BaseException | None = None
         if self._places.primary:
-            remote_steps, missing, failure = open_primary(
+            remote_steps, missing, failure = _open_primary(
                 self._places, self._state, self._damaged, local_steps, self._lease_seconds
             )
         if self._places.multi:
-            remote_steps, missing = share_open(
+            remote_steps, missing = _share_open(
                 self._damaged, self._rounds, remote_steps, missing, failure, region
             )
         state = self._state
@@ -151,7 +159,7 @@ class PersistentTier:
         decides what is copied; the others' tell their :meth:`wait` what to wait for)."""
         state = self._state
         with state.cond:
-            if not self._due(step):  # Tier(every=): this step stays local
+            if not (self._places.due(step) or step in state.forced):  # Tier(every=), force()
                 return
             if not self._places.primary and self._already_decided(step):
                 return
@@ -161,10 +169,7 @@ class PersistentTier:
     def due(self, step: int) -> bool:
         """Whether ``step`` goes to this tier (``Tier(every=)``, or :meth:`force`)."""
         with self._state.cond:
-            return self._due(step)
-
-    def _due(self, step: int) -> bool:
-        return self._places.due(step) or step in self._state.forced
+            return self._places.due(step) or step in self._state.forced
 
     def force(self, step: int) -> None:
         """``step`` (saved on SIGTERM) goes to this tier whatever ``Tier(every=)`` says."""
@@ -247,7 +252,7 @@ class PersistentTier:
                     break
                 state.cond.wait(left)
             idle = not state.queue and state.current is None
-        self._raise_error()
+        self._state.raise_error()
         return idle
 
     def close(self, timeout: float | None = None, *, raise_errors: bool = True) -> None:
@@ -264,7 +269,12 @@ class PersistentTier:
         follower = self._places.multi and not self._places.primary
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            done = self.wait(timeout) if raise_errors else self._wait_quietly(timeout)
+            done = self.wait(timeout)
+        except ReplicationError as e:
+            if raise_errors:
+                raise
+            logger.error("checkpoint: %s", e)
+            done = False
         finally:
             with state.cond:
                 if follower:
@@ -284,7 +294,7 @@ class PersistentTier:
             if self._thread is None or not self._thread.is_alive():
                 self._release_owner()  # no copy runs any more: the place is free
         if follower and raise_errors:
-            self._raise_error()  # a last round's failure, seen while following
+            self._state.raise_error()  # a last round's failure, seen while following
         if not done and left:
             logger.warning(
                 "checkpoint: steps %s not yet replicated to %s (within %s s); they will be "
@@ -299,14 +309,207 @@ class PersistentTier:
         if self._state.owner is not None:
             self._state.owner.close()  # idempotent
 
-    def _wait_quietly(self, timeout: float | None) -> bool:
-        try:
-            return self.wait(timeout)
-        except ReplicationError as e:
-            logger.error("checkpoint: %s", e)
-            return False
 
-    def _raise_error(self) -> None:
-        error = self._state.take_error()
-        if error is not None:
-            raise error
+def _open_primary(
+    places: Places,
+    state: TierState,
+    damaged: DamagedSteps,
+    local_steps: Iterable[int],
+    lease_seconds: float,
+) -> tuple[list[int], list[int], BaseException | None]:
+    """Primary: takes both places for this run, reads the damage record, removes
+    unfinished copies; returns the persistent steps, the local steps to queue and
+    (several processes) the failure to share."""
+    remote_steps: list[int] = []
+    failure: BaseException | None = None
+    try:
+        held = foreign_run(places.remote)  # its run record would land inside that run
+        if held is not None:
+            raise CheckpointError(
+                f"persistent path {places.remote} holds {held}: a tier writes steps of its "
+                f"own run there; convert them first (`flax-orbax import`), or give the "
+                f"tier a path of its own"
+            )
+        state.owner = _run_owner.RunOwner(
+            places.local,
+            places.remote,
+            lease_seconds=lease_seconds,
+            steps_of=_steps.committed_steps,
+        )
+        state.owner.open()  # this run's place, or DirectoryLockedError/CheckpointError
+        damaged.steps = damaged.read()
+        _remove_unfinished(places.remote)
+        remote_steps = damaged.committed_steps()
+    except BaseException as e:
+        if state.owner is not None:
+            state.owner.close()
+        if not places.multi:
+            raise
+        failure = e
+    latest = remote_steps[-1] if remote_steps else -1
+    missing = [
+        s
+        for s in local_steps
+        if places.due(s) and s not in remote_steps and (s > latest or places.kept_forever(s))
+    ]
+    return remote_steps, missing, failure
+
+
+def _share_open(
+    damaged: DamagedSteps,
+    rounds: Rounds,
+    remote_steps: list[int],
+    missing: list[int],
+    failure: BaseException | None,
+    region: _distributed.Region | None,
+) -> tuple[list[int], list[int]]:
+    """Every process (in ``region``): the primary's persistent steps and steps to queue
+    (returned), damage record and round prefix (set), or its error (raised)."""
+    op = _distributed.next_operation_id("tiers-open", region=region)
+    mine = {
+        "remote": remote_steps,
+        "missing": missing,
+        "damaged": {str(k): v for k, v in damaged.steps.items()},
+        "rounds": secrets.token_hex(6),
+        "error": None if failure is None else [type(failure).__name__, str(failure)],
+    }
+    shared = json.loads(_distributed.broadcast_str(op, json.dumps(mine), region=region))
+    if shared["error"] is not None:  # every process raises the primary's error
+        if failure is not None:
+            raise failure
+        kind, text = shared["error"]
+        cls = DirectoryLockedError if kind == "DirectoryLockedError" else CheckpointError
+        raise cls(f"opening the persistent tier failed on the primary: {text}")
+    damaged.steps = {int(k): v for k, v in shared["damaged"].items()}
+    rounds.prefix = f"fop/{shared['rounds']}/replicate"
+    return shared["remote"], shared["missing"]
+
+
+def _remove_unfinished(remote: Location) -> None:
+    """Primary, at open: removes the persistent tier's copies that never committed,
+    each only once proven ours (``_ownership``); everything else is left alone."""
+    listing = _steps.list_directory(remote)
+    for name in listing.unfinished:
+        _removing.remove_if_ours(remote.child(name), what="unfinished copy")
+    if not remote.is_local:
+        for name in listing.foreign:
+            if _steps.is_step_name(name):
+                _removing.remove_if_ours(remote.child(name), what="uncommitted copy")
+
+
+def check_place(name: str, value: Any) -> Any:
+    """A path option ``name`` checked: its type here, what it names by ``spec_from_path``."""
+    if isinstance(value, str) and not value.strip():
+        raise ValueError(f"expected a path or URL, found {found(value)}")
+    if not isinstance(value, str | Location | dict) and not hasattr(value, "__fspath__"):
+        raise TypeError(
+            f"expected a path, an s3:// / gs:// URL or a kvstore dict, found {found(value)}"
+        )
+    if not isinstance(value, Location):
+        spec_from_path(value, what=name)
+    return value
+
+
+PATH = Option("persistent", "custom", convert=functools.partial(check_place, "persistent"))
+"""A tier's path, checked as the manager's ``persistent=`` (the name its errors give)."""
+
+FIELDS: tuple[Option, ...] = (
+    # the manager's own retention fields, without their aliases, documented for the tier
+    replace(
+        KEEP,
+        aliases=(),
+        doc="the tier's own retention: its last N steps (None: every replicated step)",
+    ),
+    replace(KEEP_EVERY, aliases=(), doc="also keep every step divisible by it there, forever"),
+    Option(
+        "every",
+        "int",
+        low=1,
+        default=1,
+        expected="a positive int",
+        doc="replicate only the committed steps divisible by it (and the SIGTERM step)",
+    ),
+    Option(
+        "grace_seconds",
+        "number",
+        low=0,
+        high=threading.TIMEOUT_MAX,
+        default=30.0,
+        expected=f"a number of seconds >= 0 and <= {threading.TIMEOUT_MAX:g}",
+        doc="after SIGTERM, how long the exit waits for its step to be replicated",
+    ),
+    Option(
+        "lease_seconds",
+        "number",
+        low=_lease.MIN_LEASE_SECONDS,
+        high=_lease.MAX_LEASE_SECONDS,
+        default=_lease.LEASE_SECONDS,
+        expected=(
+            f"a number of seconds >= {_lease.MIN_LEASE_SECONDS:g} and <= "
+            f"{_lease.MAX_LEASE_SECONDS:g}"
+        ),
+        doc="on an object store, the lease that makes one live run own the path",
+    ),
+)
+"""The keyword fields of :class:`Tier` (its path is positional)."""
+
+
+def refuse_idle(values: dict[str, Any], local: bool, name: Callable[[str], str] = str) -> None:
+    """Refuses a tier's field that does nothing (``name(field)``: as it was given)."""
+    if values["keep"] is None:
+        refuse_without(
+            name("keep_every"),
+            values["keep_every"],
+            f"{name('keep')}= (the tier keeps every step without it)",
+        )
+    if local:
+        default = _lease.LEASE_SECONDS
+        needs = "a persistent tier on an object store (a filesystem path is held by a lock)"
+        refuse_without(name("lease_seconds"), values["lease_seconds"], needs, default=default)
+
+
+@dataclass(frozen=True)
+class Tier:
+    """A persistent tier: ``path`` (``s3://``, ``gs://``, a shared filesystem path or a
+    kvstore spec) and its keyword fields (``FIELDS``; see docs/tiers.md).
+
+    Checked when made: OptionError naming the field, an UnsupportedLocationError for
+    the path. Frozen; any thread.
+    """
+
+    path: Any
+    _: KW_ONLY
+    keep: int | None = None
+    keep_every: int | None = None
+    every: int = 1
+    grace_seconds: float = 30.0
+    lease_seconds: float = _lease.LEASE_SECONDS
+
+    def __post_init__(self) -> None:
+        PATH.check(self.path)
+        values = check(FIELDS, {o.name: getattr(self, o.name) for o in FIELDS})
+        for field_name, value in values.items():
+            object.__setattr__(self, field_name, value)
+        refuse_idle(values, Location.from_path(self.path).is_local)
+
+    def open(
+        self,
+        local: Location,
+        *,
+        remove_step: Callable[[Location, int], None],
+        busy: Callable[[], bool],
+        per_host: bool,
+        host_memory: int | str | None = None,
+        events: Events | None = None,
+    ) -> PersistentTier:
+        """The ``PersistentTier`` this option describes, replicating ``local`` (the
+        manager's writer open calls it; the other arguments: see PersistentTier)."""
+        return PersistentTier(
+            local,
+            self,
+            remove_step=remove_step,
+            busy=busy,
+            per_host=per_host,
+            host_memory=host_memory,
+            events=events,
+        )
