@@ -147,7 +147,7 @@ def commit_collectively(
     abort: Callable[[], None],
     agreed: dict[str, Any] | None = None,
     structure: Callable[[], list[str]] | None = None,
-    region: _distributed.Region | None,
+    region: _distributed.Region,
 ) -> Written:
     """Runs the protocol in the module docstring; returns what this process wrote.
 
@@ -188,7 +188,7 @@ def _primary_round(op, own_status, what, publish, abort, structure, region) -> s
     try:
         statuses = [json.loads(own_status)]
         for p in range(1, _distributed.process_count()):
-            statuses.append(json.loads(_distributed.get_from(f"{op}/status", p, region=region)))
+            statuses.append(json.loads(region.get_from(f"{op}/status", p)))
         # one process: one status, nothing to disagree with
         outcome = _rounds.disagreement(statuses) if len(statuses) > 1 else None
         errors = [(p, s["error"]) for p, s in enumerate(statuses) if s["error"]]
@@ -212,8 +212,8 @@ def _primary_round(op, own_status, what, publish, abort, structure, region) -> s
     if _distributed.process_count() > 1:
         differs = _rounds.STRUCTURE in outcome and structure is not None
         if differs:
-            _distributed.publish(f"{op}/structure", json.dumps(structure()), region=region)
-        _distributed.broadcast_str(f"{op}/outcome", outcome, region=region)
+            region.publish(f"{op}/structure", json.dumps(structure()))
+        region.broadcast_str(f"{op}/outcome", outcome)
         if differs:
             outcome += _rounds.their_difference(op, outcome, structure(), region)
     return outcome
@@ -230,7 +230,7 @@ def save(
     path: Any,
     tree: Any,
     *,
-    region: _distributed.Region | None,
+    region: _distributed.Region,
     force: bool = False,
     memory_limit_bytes: int | None = None,
     compression: str | None = None,
@@ -246,7 +246,7 @@ def save(
     return start_save(path, tree, region, given).wait()
 
 
-def start_save(path, tree, region: _distributed.Region | None, given: dict) -> SaveHandle:
+def start_save(path, tree, region: _distributed.Region, given: dict) -> SaveHandle:
     """``fop.save_async`` in ``region`` (drawn by the public function); ``fop.save`` waits
     for it. Every option is checked before anything waits or is written."""
     options = check_save(**given)
@@ -283,13 +283,13 @@ def _start(
                 location, what="a checkpoint", replace=force, clear=False, region=region
             )
             clear_first = held and not location.supports_rename
-            name = _distributed.unique_name(region=region)
+            name = region.unique_name()
             staging = Staging.begin(location, name, claim=False)
             job = _Background(
                 location=location,
                 snap=snap,
                 staging=staging,
-                op=_distributed.next_operation_id("save", region=region),
+                op=region.next_operation_id("save"),
                 region=region,
                 clear_first=clear_first,
                 force=force,
@@ -321,7 +321,7 @@ class _Background:
     snap: Snapshot
     staging: Staging
     op: str
-    region: _distributed.Region | None
+    region: _distributed.Region
     clear_first: bool
     force: bool
     start: float
@@ -335,7 +335,7 @@ class _Background:
         if self.clear_first:  # object store, no rename: start from an empty prefix
             if _distributed.is_primary():
                 _ownership.remove(location, action="clear")
-            _distributed.barrier(f"{self.op}/cleared", region=self.region)
+            self.region.barrier(f"{self.op}/cleared")
 
         def write() -> Written:
             raise_if_cancelled(self.cancelled, what)

@@ -24,7 +24,7 @@ def save_async(
     path: Any,
     tree: Any,
     *,
-    region: _distributed.Region | None,
+    region: _distributed.Region,
     force: bool = False,
     memory_limit_bytes: int | None = None,
     compression: str | None = None,

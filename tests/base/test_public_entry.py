@@ -54,7 +54,11 @@ def test_the_entry_names_the_keyword_meant_and_says_a_refusal_in_words():
             raise ValueError("passes unchanged")
         return (path, region, limit)
 
-    assert probe("x", limit=2) == ("x", None, 2)  # one process: no region drawn
+    path, region, limit = probe("x", limit=2)
+    assert (path, limit) == ("x", 2)
+    # one process: the body gets a collective object that spans nothing (no tag drawn)
+    assert isinstance(region, _distributed.Region) and region.kind == "probe"
+    assert region.tag is None and not region.spans
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'limt': did you mean"):
         probe("x", limt=2)
     with pytest.raises(StoreAccessError, match="bad: no such bucket"):

@@ -73,11 +73,11 @@ def share_open(
     remote_steps: list[int],
     missing: list[int],
     failure: BaseException | None,
-    region: _distributed.Region | None,
+    region: _distributed.Region,
 ) -> tuple[list[int], list[int]]:
     """Every process (in ``region``): the primary's persistent steps and steps to queue
     (returned), damage record and round prefix (set), or its error (raised)."""
-    op = _distributed.next_operation_id("tiers-open", region=region)
+    op = region.next_operation_id("tiers-open")
     mine = {
         "remote": remote_steps,
         "missing": missing,
@@ -85,7 +85,7 @@ def share_open(
         "rounds": secrets.token_hex(6),
         "error": None if failure is None else [type(failure).__name__, str(failure)],
     }
-    shared = json.loads(_distributed.broadcast_str(op, json.dumps(mine), region=region))
+    shared = json.loads(region.broadcast_str(op, json.dumps(mine)))
     if shared["error"] is not None:  # every process raises the primary's error
         if failure is not None:
             raise failure

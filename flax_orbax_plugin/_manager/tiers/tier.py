@@ -115,7 +115,7 @@ class PersistentTier:
         self,
         local_steps: Iterable[int],
         *,
-        region: _distributed.Region | None,
+        region: _distributed.Region,
     ) -> None:
         """Cleans the persistent tier's unfinished copies, queues the local steps it lacks
         and starts the replicator thread. Collective, in the manager open's ``region``:
@@ -201,7 +201,7 @@ class PersistentTier:
         owner = self._state.owner
         return None if owner is None else owner.run_id
 
-    def agreed_steps(self, region: _distributed.Region | None = None) -> list[int] | None:
+    def agreed_steps(self, region: _distributed.Region) -> list[int] | None:
         """Collective (in ``region``): the primary's :meth:`steps` on every process; None
         (logged) when the store cannot be listed."""
         steps = None
@@ -211,8 +211,8 @@ class PersistentTier:
             except Exception as e:  # noqa: BLE001  (an unreachable store: the local tier)
                 logger.warning("checkpoint: cannot list %s: %s", self.remote, e)
         if self._places.multi:
-            op = _distributed.next_operation_id("tiers-steps", region=region)
-            steps = json.loads(_distributed.broadcast_str(op, json.dumps(steps), region=region))
+            op = region.next_operation_id("tiers-steps")
+            steps = json.loads(region.broadcast_str(op, json.dumps(steps)))
         return steps
 
     def remove(self, step: int) -> None:
@@ -222,7 +222,7 @@ class PersistentTier:
         if self._places.primary:
             self._places.remove_step(self.remote, step)
 
-    def ensure_local(self, step: int, region: _distributed.Region | None) -> bool:
+    def ensure_local(self, step: int, region: _distributed.Region) -> bool:
         """Training thread, collective: :meth:`CopyDown.ensure_local`."""
         return self._copy_down.ensure_local(step, region)
 
