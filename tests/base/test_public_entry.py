@@ -156,7 +156,9 @@ def test_public_on_a_class_makes_each_public_method_an_entry():
     probe = Probe("x", limit=3)
     assert probe.run("x", times=2) == ("run", "x", 2)
     assert probe.shared("y") == ("shared", "y", 1)
-    assert probe.ask("z", count=4) == ("ask", "z", None, 4)  # one process: no region drawn
+    what, path, region, count = probe.ask("z", count=4)
+    assert (what, path, count) == ("ask", "z", 4)
+    assert region.kind == "probe-ask" and not region.spans  # one process: no tag drawn
     assert probe.size == 3 and Probe.make("m").path == "m"
     with Probe("w") as entered:
         assert entered.path == "w"
