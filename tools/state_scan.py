@@ -53,10 +53,10 @@ _P = "flax_orbax_plugin."
 _SEQUENCE = "the process's sequence of SPMD operations (the n-th, the same on every process)"
 _TEST_COUNTER = "a documented test hook: counts what tests assert (no behaviour reads it)"
 ALLOWED_STATE: dict[tuple[str, str], str] = {
-    (_P + "_base.coordination", "_COUNTER"): _SEQUENCE,
-    (_P + "_base.coordination", "_NAMES"): _SEQUENCE,
+    (_P + "_base.distributed", "_COUNTER"): _SEQUENCE,
+    (_P + "_base.distributed", "_NAMES"): _SEQUENCE,
     (_P + "_base.distributed", "_REGIONS"): _SEQUENCE,
-    (_P + "_base.coordination", "_SESSION"): "the process's session nonce, drawn once",
+    (_P + "_base.distributed", "_SESSION"): "the process's session nonce, drawn once",
     (_P + "_base.regions", "CALLS"): _TEST_COUNTER,
     (_P + "_core.handle", "_RUNNING"): "the process's saves still running, finished at exit",
     (_P + "_base.host", "_STEPS"): (

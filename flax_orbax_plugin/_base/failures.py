@@ -4,7 +4,7 @@ published there (:func:`publish_failure`), and a wait in that region raises
 (:func:`raise_published_failure`), announced an agreement it brings an error to, left
 the manager's scope or its program (:func:`announce_leaving`, :func:`raise_if_left`), or
 took another path (:func:`raise_elsewhere`). Only several processes reach here; each
-``region`` is a ``_base.coordination.Region`` (typed ``Any``: that module imports this one).
+``region`` is a ``_base.distributed.Region`` (typed ``Any``: that module imports this one).
 
 Threading: any thread; the records are this module's own JSON.
 

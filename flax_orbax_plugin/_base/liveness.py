@@ -145,7 +145,7 @@ class PeerWatch:
     ``what``: the wait, in words (``barrier 'fop/...'``); ``late()``: the processes it
     still waits for (called only when a report is due); ``stall_s``: the stall timeout,
     how long a process may make no progress; ``region``: the wait's
-    ``coordination.Region``, if any (typed ``Any``: that module imports this one)."""
+    ``distributed.Region``, if any (typed ``Any``: that module imports this one)."""
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """The coordination client and the count of the calls made to it (the collective object
-that makes them, :class:`~flax_orbax_plugin._base.coordination.Region`, is in
-``_base/coordination.py``).
+that makes them, :class:`~flax_orbax_plugin._base.distributed.Region`, is in
+``_base/distributed.py``).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.regions``.
 """

@@ -56,7 +56,7 @@ class SaveRequest:
     None: when written); ``reuse``: an ``_incremental.Reuse`` (a manager with
     ``incremental=True``) or None; ``buffers``: a manager's host buffers or None;
     ``cancelled``: set when the save is cancelled (Ctrl-C): its writes stop;
-    ``region``: the collective operation the save is part of (``_base.coordination``:
+    ``region``: the collective operation the save is part of (``_base.distributed``:
     its names are drawn there, its waits look at its failures; by default one that
     spans nothing).
     """

@@ -63,7 +63,7 @@ class ReadRequest:
     ``changes``: a restore into a changed model (``partial``, ``missing``,
     ``transform``, ``surgery``); ``dry_run``: return the plan of the read
     (``RestorePlan``), reading no array data; ``region``: the collective operation the
-    read is part of (``_base.coordination``; its processes agree on what they read),
+    read is part of (``_base.distributed``; its processes agree on what they read),
     or one that spans nothing (one process, or a read one process may make alone).
     """
 
