@@ -201,9 +201,9 @@ class PersistentTier:
         owner = self._state.owner
         return None if owner is None else owner.run_id
 
-    def agreed_steps(self, region: _distributed.Region) -> list[int] | None:
-        """Collective (in ``region``): the primary's :meth:`steps` on every process; None
-        (logged) when the store cannot be listed."""
+    def agreed_steps(self, region: _distributed.Region | None = None) -> list[int] | None:
+        """Collective (in ``region``; None: a call outside an operation): the primary's
+        :meth:`steps` on every process; None (logged) when the store cannot be listed."""
         steps = None
         if self._places.primary:
             try:
@@ -211,6 +211,7 @@ class PersistentTier:
             except Exception as e:  # noqa: BLE001  (an unreachable store: the local tier)
                 logger.warning("checkpoint: cannot list %s: %s", self.remote, e)
         if self._places.multi:
+            region = region or _distributed.Region("tiers-steps")
             op = region.next_operation_id("tiers-steps")
             steps = json.loads(region.broadcast_str(op, json.dumps(steps)))
         return steps
