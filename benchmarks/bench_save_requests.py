@@ -47,14 +47,18 @@ def saves(ctx, url, kept, measured=5, counter=None):
     mngr.wait()
     for _ in range(measured):
         step += 1
-        _distributed.barrier(_distributed.next_operation_id("bench", region=None), region=None)
+        _distributed.Region("bench").barrier(
+            _distributed.Region("bench").next_operation_id("bench")
+        )
         if counter is not None:
             counter.take()
         t = time.perf_counter()
         mngr.save(step, state)
         blocking = time.perf_counter() - t
         mngr.wait()
-        _distributed.barrier(_distributed.next_operation_id("bench", region=None), region=None)
+        _distributed.Region("bench").barrier(
+            _distributed.Region("bench").next_operation_id("bench")
+        )
         out.append(
             {"blocking_s": blocking, "requests": None if counter is None else counter.take()}
         )
@@ -162,7 +166,9 @@ def saves_multi(ctx, url, kept, measured=5):
             open(os.path.join(ctx.workdir, f"mark_{i}_{edge}"), "w").close()
             while not os.path.exists(os.path.join(ctx.workdir, f"ack_{i}_{edge}")):
                 time.sleep(0.002)
-        _distributed.barrier(_distributed.next_operation_id("bench", region=None), region=None)
+        _distributed.Region("bench").barrier(
+            _distributed.Region("bench").next_operation_id("bench")
+        )
 
     state = {"params": {"w": np.arange(512, dtype=np.float32), "b": np.ones(512, np.float32)}}
     mngr = fop.CheckpointManager(url, keep=None)

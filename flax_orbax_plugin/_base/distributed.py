@@ -1,10 +1,19 @@
 """The face of several processes: the entry of every public operation (:func:`public`,
-:func:`collective`), who this process is, the names every process derives alike, and
-the agreements (:func:`agree`, :func:`gather_json`, the key-value rounds).
+:func:`collective`), which draws the operation's collective object (:class:`Region`) and
+hands it down as ``region``, and who this process is. A region names what every process
+derives alike and publishes a failure leaving it (:meth:`Region.resumed`); its key-value
+rounds and agreements, through their one wait, are its base's
+(``_base.coordination.Rounds``: what only several processes run).
 
-One process: every function is a no-op. Several: every process calls the same functions
-in the same order (SPMD); process 0 is the primary. Every function that draws a name or
-waits takes ``region=`` explicitly; a background phase runs in the region handed to it.
+The code below an entry calls its region's methods and never asks how many processes
+there are. With one process every round returns at once. A region that ``spans``
+nothing (one process, or a call one process may make alone) still makes its rounds when
+there are several processes, under this process's counters' names, and publishes no
+failure. Several: every process calls the same methods in the same order (SPMD); process
+0 is the primary.
+
+Threading: regions are drawn and their methods called on the thread that makes the SPMD
+calls, or in a background phase after that thread's last draw in it (``SaveHandle``).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.distributed``.
 """
@@ -12,10 +21,10 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.distribut
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import itertools
-import json
 import secrets
 import threading
 from collections.abc import Callable, Iterator
@@ -23,127 +32,112 @@ from typing import Any
 
 import jax
 
-from .. import _errors
-from .._errors import CheckpointError, CoordinationError, ProcessFailedError
-from . import coordination as _coordination
+from .._errors import CoordinationError
 from . import failures as _failures
 from . import host as _host
 from . import keywords as _keywords
 from . import liveness as _liveness
-from . import regions as _regions
+from .coordination import DEFAULT_TIMEOUT_S, Rounds
 from .failures import publish_failure
-from .host import ACTIVITIES, process_count
-from .regions import Region, client
+from .host import is_primary, process_count, process_index
+from .regions import CALLS
+from .regions import client as _client
 
-# The key-value rounds (``_base/coordination.py``), for the callers.
-barrier, broadcast_str = _coordination.barrier, _coordination.broadcast_str
-gather_str, get_from = _coordination.gather_str, _coordination.get_from
-publish, forget, poll = _coordination.publish, _coordination.forget, _coordination.poll
-stall_timeout, DEFAULT_TIMEOUT_S = _coordination.stall_timeout, _coordination.DEFAULT_TIMEOUT_S
-# Who this process is, and the coordination calls it made (tests count them).
-is_primary, process_index, CALLS = _host.is_primary, _host.process_index, _regions.CALLS
-_COUNTER = itertools.count()
-_NAMES = itertools.count()  # unique_name's
-_REGIONS = itertools.count()  # the n-th collective operation of this process
+__all__ = ["CALLS", "DEFAULT_TIMEOUT_S", "Region", "collective", "is_primary", "process_count"]
+__all__ += ["process_index", "public", "publish_failure"]
 
+_COUNTER = itertools.count()  # operation names outside a collective operation
+_NAMES = itertools.count()  # unique names outside a collective operation
 _SESSION: list[str] = []
 _SESSION_LOCK = threading.Lock()
+_REGIONS = itertools.count()  # the n-th collective operation of this process
 
 
-def next_operation_id(kind: str, *, region: Region | None) -> str:
-    """A name every process derives identically for its n-th operation of this kind (in
-    a region: its n-th of the region's)."""
-    return f"fop/{kind}/{next(_COUNTER) if region is None else region.draw()}"
+@dataclasses.dataclass
+class Region(Rounds):
+    """One operation's collective object: its kind (``manager-save`` ...) and ``tag``,
+    the same on every process (None: it spans no collective operation, see the module
+    docstring); the names drawn in it so far, the agreement it is in and those it
+    completed, its waits' stall timeout (``stall_s``; None: ``FOP_COORDINATION_TIMEOUT_S``)
+    and ``scope``: the tag of the manager's open it belongs to, or None."""
 
+    kind: str
+    tag: str | None = None
+    drawn: int = 0
+    stall_s: float | None = None
+    scope: str | None = None
+    agreeing: str | None = None
+    agreed: set[str] = dataclasses.field(default_factory=set)
 
-def session_nonce(*, region: Region | None) -> str:
-    """A random name shared by every process (the primary's, under one fixed key), agreed
-    once per process lifetime at its first call; staging names derive from it and a
-    counter with no coordination (``region``: the operation that asks first)."""
-    with _SESSION_LOCK:
-        if not _SESSION:
-            _SESSION.append(broadcast_str("fop/session", secrets.token_hex(4), region=region))
-        return _SESSION[0]
+    @property
+    def spans(self) -> bool:
+        """Whether this is a collective operation's region (its failures published)."""
+        return self.tag is not None
 
+    def draw(self) -> str:
+        """``<tag>.<n>``: the n-th name drawn in this region."""
+        self.drawn += 1
+        return f"{self.tag}.{self.drawn - 1}"
 
-def unique_name(*, region: Region | None) -> str:
-    """``<session>x<n>``: identical on every process for its n-th call (SPMD order; in a
-    region ``<session>x<region>y<n>``, its n-th of the region's)."""
-    drawn = next(_NAMES) if region is None else region.draw().replace(".", "y")
-    return f"{session_nonce(region=region)}x{drawn}"
+    def next_operation_id(self, kind: str) -> str:
+        """A name every process derives identically for its n-th operation of this kind
+        (in a region that spans: its n-th of the region's)."""
+        return f"fop/{kind}/{self.draw() if self.spans else next(_COUNTER)}"
 
+    def session_nonce(self) -> str:
+        """A random name shared by every process (the primary's, under one fixed key),
+        agreed once per process lifetime at its first call, in the region that asks
+        first; staging names derive from it and a counter with no coordination."""
+        with _SESSION_LOCK:
+            if not _SESSION:
+                _SESSION.append(self.broadcast_str("fop/session", secrets.token_hex(4)))
+            return _SESSION[0]
 
-def gather_json(kind: str, value: Any, *, region: Region | None) -> list[Any]:
-    """Collective: every process's JSON ``value``, by process index (one key-value
-    round; with one process, ``[value]``)."""
-    if process_count() == 1:
-        return [value]
-    op = next_operation_id(kind, region=region)
-    publish(op, json.dumps(value), region=region)
-    # the values are kept (not forgotten): a peer may not have read ours yet
-    return [json.loads(v) for v in gather_str(op, region=region)]
+    def unique_name(self) -> str:
+        """``<session>x<n>``: identical on every process for its n-th call (SPMD order;
+        in a region that spans ``<session>x<region>y<n>``, its n-th of the region's)."""
+        drawn = self.draw().replace(".", "y") if self.spans else next(_NAMES)
+        return f"{self.session_nonce()}x{drawn}"
 
-
-def agree(kind: str, error: BaseException | None, *, region: Region | None, what: str) -> None:
-    """Collective (one key-value round): every process learns whether any failed here.
-
-    Re-raises ``error`` (this process's own) once every process learned of it; else
-    raises on every other process an error of the failed one's class (a CheckpointError
-    subclass, else CheckpointError) naming it; returns when every process succeeded. So
-    a restore failing on one process fails on all, at once.
-    """
-    if process_count() == 1:
-        if error is not None:
-            raise error
-        return
-    mine = None if error is None else {"type": type(error).__name__, "message": str(error)}
-    op = next_operation_id(kind, region=region)
-    if error is not None:  # a process waiting elsewhere in the region must not wait for us
-        _failures.announce_agreement(op, error, region)
-    if region is not None:
-        region.agreeing = op
-    try:
-        publish(op, json.dumps(mine), region=region)
-        views = [json.loads(v) for v in gather_str(op, region=region)]
-    except ProcessFailedError:  # another left this path: this process's own error first
-        if error is not None:
-            raise error from None
-        raise
-    finally:
-        if region is not None:
-            region.agreeing = None
-            region.agreed.add(op)
-    if error is not None:
-        raise error
-    for p, view in enumerate(views):
-        if view is not None:
-            cls = getattr(_errors, view["type"], None)
-            if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
-                cls = CheckpointError
-            raise cls(f"{what}: process {p} failed: {view['type']}: {view['message']}")
+    @contextlib.contextmanager
+    def resumed(self) -> Iterator[None]:
+        """Runs the body as a part of this region's operation (named in the heartbeat;
+        e.g. a save's background phase); an error leaving it is published. A region that
+        spans nothing: nothing."""
+        if not self.spans:
+            yield
+            return
+        try:
+            with _host.ACTIVITIES.doing(f"{self.kind} (operation {self.tag})"):
+                yield
+        except (SystemExit, GeneratorExit):  # a preempted run leaves together, on purpose
+            raise
+        except BaseException as e:
+            _failures.publish_failure(self, e)
+            raise
 
 
 @contextlib.contextmanager
 def collective(
     kind: str, *, spans: bool = True, stall_s: float | None = None, scope: str | None = None
-) -> Iterator[Region | None]:
+) -> Iterator[Region]:
     """A collective operation of every process: draws a region for the body (``with
     collective(...) as region``), in which waits raise :class:`ProcessFailedError` once
     another process published a failure, and whose error is published for the others.
 
-    ``spans=False`` (a call one process may make alone) or one process: the body gets
-    None. Each call draws a new region (internals are handed theirs). ``stall_s``: the
-    region's stall timeout; ``scope``: its scope (:class:`Region`). Call it on the
-    thread that makes the SPMD calls."""
+    ``spans=False`` (a call one process may make alone) or one process: the body gets a
+    region that spans nothing (:attr:`Region.spans`). Each call draws a new region
+    (internals are handed theirs). ``stall_s``: the region's stall timeout; ``scope``:
+    its scope (:class:`Region`). Call it on the thread that makes the SPMD calls."""
     _host.refuse_if_detected(kind)  # every public save and restore enters here
     if not spans or jax.process_count() == 1:
-        yield None
+        yield Region(kind)
         return
     with contextlib.suppress(CoordinationError):  # no client: the first wait says so
-        _liveness.ensure_beating(client(), jax.process_index())  # before any wait on us
+        _liveness.ensure_beating(_client(), jax.process_index())  # before any wait on us
     _host.at_exit(_host.ANNOUNCE, _failures.announce_program_end)
     region = Region(kind, str(next(_REGIONS)), stall_s=stall_s, scope=scope)
-    with resumed(region):
+    with region.resumed():
         yield region
 
 
@@ -164,7 +158,7 @@ def public(
 
     * refuses a keyword the function does not take ("did you mean"), in its region;
     * with ``kind``, is a collective operation (:func:`collective`, when ``spans(*args,
-      **kwargs)`` says so; None: always) whose body is handed ``region=`` (or None);
+      **kwargs)`` says so; None: always) whose body is handed ``region=`` (its :class:`Region`);
       without ``kind``, a call of one process;
     * raises what ``errors`` (:data:`Errors`) makes of the body's error, in the region.
 
@@ -264,20 +258,3 @@ def _translated(
         return errors(error, shown.bind_partial(*args, **kwargs).arguments)
     except Exception:  # noqa: BLE001  (the original error stands)
         return None
-
-
-@contextlib.contextmanager
-def resumed(region: Region | None) -> Iterator[None]:
-    """Runs the body as a part of the operation of ``region`` (named in the heartbeat;
-    e.g. a save's background phase); an error leaving it is published. None: nothing."""
-    if region is None:
-        yield
-        return
-    try:
-        with ACTIVITIES.doing(f"{region.kind} (operation {region.tag})"):
-            yield
-    except (SystemExit, GeneratorExit):  # a preempted run leaves together, on purpose
-        raise
-    except BaseException as e:
-        publish_failure(region, e)
-        raise

@@ -3,7 +3,8 @@ published there (:func:`publish_failure`), and a wait in that region raises
 :class:`ProcessFailedError` once another process published one
 (:func:`raise_published_failure`), announced an agreement it brings an error to, left
 the manager's scope or its program (:func:`announce_leaving`, :func:`raise_if_left`), or
-took another path (:func:`raise_elsewhere`). Only several processes reach here.
+took another path (:func:`raise_elsewhere`). Only several processes reach here; each
+``region`` is a ``_base.distributed.Region`` (typed ``Any``: that module imports this one).
 
 Threading: any thread; the records are this module's own JSON.
 
@@ -19,7 +20,7 @@ from typing import Any
 import jax
 
 from .._errors import CheckpointError, CoordinationError, ProcessFailedError
-from .regions import CALLS, Region, client, is_set
+from .regions import CALLS, client, is_set
 
 FAILED = "fop/failed"  # FAILED/<region>/<process>: a failure leaving that region
 LEFT = "fop/left"  # LEFT/<scope>/<process>: it left that scope (announce_leaving)
@@ -45,29 +46,29 @@ def _set(key: str, record: dict[str, Any], *, quiet: bool = True) -> None:
             raise
 
 
-def publish_failure(region: Region, error: BaseException) -> None:
+def publish_failure(region: Any, error: BaseException) -> None:
     """Publishes ``error`` as this process's failure in ``region`` (the last one stays)."""
-    _set(f"{FAILED}/{region.tag}/{jax.process_index()}", _record(region, error))
+    _set(f"{FAILED}/{region.tag}/{jax.process_index()}", _record(region.kind, error))
 
 
-def announce_agreement(op: str, error: BaseException, region: Region | None) -> None:
+def announce_agreement(op: str, error: BaseException, region: Any) -> None:
     """Before an agreement (``distributed.agree``) this process brings ``error`` to: a
     process waiting elsewhere (which this one will never meet there) raises rather than
     waits; one at the same agreement, or past it, reads on."""
-    if region is not None and jax.process_count() > 1:
+    if region.spans and jax.process_count() > 1:
         number = int(op.rsplit(".", 1)[1])
-        record = {**_record(region, error), "agreement": op, "number": number}
+        record = {**_record(region.kind, error), "agreement": op, "number": number}
         _set(f"{FAILED}/{region.tag}/{jax.process_index()}/at/{number}", record, quiet=False)
 
 
 def announce_leaving(error: BaseException, *, scope: str | None, where: str) -> None:
-    """Says that this process leaves ``scope`` (a manager's operations: see
-    :class:`Region`) with ``error``, raised out of ``where``: a process waiting in that
-    scope for one of its values raises within a slice (:func:`raise_if_left`), not at
-    its stall timeout. A new manager is a new scope."""
+    """Says that this process leaves ``scope`` (a manager's operations: see the
+    region's ``scope``) with ``error``, raised out of ``where``: a process waiting in
+    that scope for one of its values raises within a slice (:func:`raise_if_left`), not
+    at its stall timeout. A new manager is a new scope."""
     if scope is None or jax.process_count() == 1:
         return
-    record = _record(Region(where, scope), error)  # its kind: where
+    record = _record(where, error)
     _set(f"{LEFT}/{scope}/{jax.process_index()}", record)
 
 
@@ -81,11 +82,11 @@ def _me() -> str:
     return f"process {jax.process_index()} of {jax.process_count()}"
 
 
-def raise_if_left(process: int, key: str, region: Region | None) -> None:
+def raise_if_left(process: int, key: str, region: Any) -> None:
     """Raises ProcessFailedError when ``process`` announced that it left the scope of
     ``region`` (outside a manager's scope, :data:`PROGRAM`) and ``key``, the value this
     wait is for, is not set: it never will be. Any thread."""
-    scope = PROGRAM if region is None or region.scope is None else region.scope
+    scope = PROGRAM if region.scope is None else region.scope
     c = client()
     CALLS["failure_check"] += 1
     try:
@@ -95,12 +96,12 @@ def raise_if_left(process: int, key: str, region: Region | None) -> None:
     if is_set(key):  # set before it left: read on
         return
     r = failure_record(said)
-    where = "waiting" if region is None else region.kind
+    where = region.kind if region.spans else "waiting"
     said = f"left {r['kind']} with {r['type']}: {r['message']}"
     raise _failed(f"{_me()}, in {where}: process {process} {said}", process, r["type"])
 
 
-def _diverged(region: Region, r: dict[str, Any], waiting_for: int | None) -> bool:
+def _diverged(region: Any, r: dict[str, Any], waiting_for: int | None) -> bool:
     """Whether another process's record ends the waits in ``region``: a failure leaving
     the region, or an agreement the region is not at and never went through, of the
     process it waits for, or past which the region has already drawn names."""
@@ -112,10 +113,10 @@ def _diverged(region: Region, r: dict[str, Any], waiting_for: int | None) -> boo
     return r["process"] == waiting_for or r["number"] < region.drawn
 
 
-def _record(region: Region, error: BaseException) -> dict[str, Any]:
+def _record(kind: str, error: BaseException) -> dict[str, Any]:
     return {
         "process": jax.process_index(),
-        "kind": region.kind,
+        "kind": kind,
         "type": type(error).__name__,
         "message": str(error)[:4000],
         "derived": isinstance(error, ProcessFailedError),
@@ -124,11 +125,11 @@ def _record(region: Region, error: BaseException) -> dict[str, Any]:
     }
 
 
-def raise_published_failure(region: Region | None, waiting_for: int | None = None) -> None:
+def raise_published_failure(region: Any, waiting_for: int | None = None) -> None:
     """Raises ProcessFailedError when another process published a failure in ``region``
     (an own failure first, before one only learnt); ``waiting_for``: the process whose
     value the wait is for."""
-    if region is None or jax.process_count() == 1:
+    if not region.spans or jax.process_count() == 1:
         return
     CALLS["failure_check"] += 1
     try:
@@ -146,12 +147,11 @@ def raise_published_failure(region: Region | None, waiting_for: int | None = Non
         )
 
 
-def raise_elsewhere(region: Region | None, process: int, theirs: str, doing: str) -> None:
+def raise_elsewhere(region: Any, process: int, theirs: str, doing: str) -> None:
     """Raises for a wait in ``region`` on ``process``, whose collective operation of the
     region's number is ``theirs``, of another kind (its heartbeat: ``liveness``): it
     took another path and never makes this call. ProcessFailedError naming its latest
     published failure, else CoordinationError naming this process's own, if any."""
-    assert region is not None
     words = (
         f"{_me()}, in {region.kind} (operation {region.tag}): process {process} is in "
         f"{theirs} as its operation {region.tag}, so it will not make this call"

@@ -27,7 +27,6 @@ from .._errors import CoordinationError
 from . import env as _env
 from .failures import raise_elsewhere
 from .host import ACTIVITIES, Activities, Progress
-from .regions import Region
 
 ALIVE = "fop/alive"  # ALIVE/<process>: that process's heartbeat (JSON)
 LOOK_S = 1.0  # how often a wait reads the heartbeats (its first look: at its first slice's end)
@@ -145,7 +144,8 @@ class PeerWatch:
 
     ``what``: the wait, in words (``barrier 'fop/...'``); ``late()``: the processes it
     still waits for (called only when a report is due); ``stall_s``: the stall timeout,
-    how long a process may make no progress; ``region``: the wait's, if any."""
+    how long a process may make no progress; ``region``: the wait's
+    ``distributed.Region``, if any (typed ``Any``: that module imports this one)."""
 
     def __init__(
         self,
@@ -155,7 +155,7 @@ class PeerWatch:
         *,
         stall_s: float,
         late: Callable[[], list[int]],
-        region: Region | None = None,
+        region: Any = None,
     ):
         self._client, self._me, self._what, self._late = client, me, what, late
         self._region, self._stall_s = region, stall_s
@@ -251,7 +251,7 @@ class PeerWatch:
         """A process whose operation of this wait's number is of another kind took
         another path and never sets the value: ``elsewhere(process, its kind, doing)``
         raises at once."""
-        if self._region is None:
+        if self._region is None or not self._region.spans:
             return
         for line in seen.doing:
             for m in _OPERATION.finditer(line):
@@ -292,7 +292,7 @@ class PeerWatch:
                 self._seen[process] = _Seen(beat, now, doing, moved, moved_at)
 
     def _prefix(self) -> str:
-        where = f" in {self._region.kind}" if self._region else ""
+        where = f" in {self._region.kind}" if self._region and self._region.spans else ""
         return f"process {self._me}{where}, waiting for {self._what}: "
 
     @staticmethod

@@ -1,7 +1,6 @@
-"""A collective operation's region (:class:`Region`), the coordination client and the
-count of the calls made to it. A region is drawn by the public entry point
-(``_base/distributed.py``) on the thread that makes the SPMD calls (the same order on
-every process) and handed down as an argument.
+"""The coordination client and the count of the calls made to it (the collective object
+that makes them, :class:`~flax_orbax_plugin._base.distributed.Region`, is in
+``_base/distributed.py``).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.regions``.
 """
@@ -9,7 +8,6 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.regions``
 from __future__ import annotations
 
 import collections
-import dataclasses
 
 from .._errors import CoordinationError
 
@@ -37,26 +35,3 @@ def is_set(key: str) -> bool:
         return True
     except Exception:  # noqa: BLE001  (NOT_FOUND, or a service gone: not there either way)
         return False
-
-
-@dataclasses.dataclass
-class Region:
-    """One collective operation: its kind (``manager-save`` ...) and its tag, the same on
-    every process; the names drawn in it so far, the agreement it is in and those it
-    completed, its waits' stall timeout (``stall_s``; None: ``FOP_COORDINATION_TIMEOUT_S``)
-    and ``scope``: the tag of the manager's open it belongs to, or None. Its names are
-    drawn on the thread that makes the SPMD calls, or by a background phase after that
-    thread's last draw in it (``SaveHandle``)."""
-
-    kind: str
-    tag: str
-    drawn: int = 0
-    stall_s: float | None = None
-    scope: str | None = None
-    agreeing: str | None = None
-    agreed: set[str] = dataclasses.field(default_factory=set)
-
-    def draw(self) -> str:
-        """``<tag>.<n>``: the n-th name drawn in this region."""
-        self.drawn += 1
-        return f"{self.tag}.{self.drawn - 1}"

@@ -19,12 +19,12 @@ from .._errors import CoordinationError
 def other_round(op, status, abort, structure, region) -> str:
     """Another process's side: publishes its status, reads the outcome (waiting longer than
     the primary may, so a missing process is named), discards its files unless committed."""
-    _distributed.publish(f"{op}/status", status, region=region)
-    wait = 2 * _distributed.stall_timeout(region=region)
-    outcome = _distributed.broadcast_str(f"{op}/outcome", None, region=region, timeout_s=wait)
+    region.publish(f"{op}/status", status)
+    wait = 2 * region.stall_timeout()
+    outcome = region.broadcast_str(f"{op}/outcome", None, timeout_s=wait)
     if STRUCTURE in outcome and structure is not None:
         mine = structure()
-        _distributed.publish(f"{op}/structure", json.dumps(mine), region=region)  # for 0
+        region.publish(f"{op}/structure", json.dumps(mine))  # for 0
         outcome += _first_difference(op, mine, region)
     if outcome != "committed":
         outcome = discard(abort, outcome)  # e.g. staging of another step than the primary's
@@ -65,16 +65,14 @@ def disagreement(statuses: list[dict[str, Any]]) -> str | None:
 def _first_difference(op: str, mine: list[str], region, p: int = 0, timeout_s=None) -> str:
     """``; ...``: the first leaf where this tree differs from process ``p``'s, or ""."""
     try:
-        got = _distributed.get_from(f"{op}/structure", p, region=region, timeout_s=timeout_s)
+        got = region.get_from(f"{op}/structure", p, timeout_s=timeout_s)
         theirs = json.loads(got)
     except (CoordinationError, ValueError):
         return ""
     return _difference(mine, theirs, p)
 
 
-def their_difference(
-    op: str, outcome: str, mine: list[str], region: _distributed.Region | None
-) -> str:
+def their_difference(op: str, outcome: str, mine: list[str], region: _distributed.Region) -> str:
     """The primary's side of :func:`_first_difference` (waits seconds at most)."""
     found = re.search(r"process ([0-9]+) saved a " + STRUCTURE, outcome)
     if found is None:

@@ -52,8 +52,9 @@ class SaveRequest:
     None: when written); ``reuse``: an ``_incremental.Reuse`` (a manager with
     ``incremental=True``) or None; ``buffers``: a manager's host buffers or None;
     ``cancelled``: set when the save is cancelled (Ctrl-C): its writes stop;
-    ``region``: the collective operation the save is part of (``_base.regions``: its
-    names are drawn there, its waits look at its failures), or None (one process).
+    ``region``: the collective operation the save is part of (``_base.distributed``:
+    its names are drawn there, its waits look at its failures; by default one that
+    spans nothing).
     """
 
     format_version: int = DEFAULT_FORMAT_VERSION
@@ -66,7 +67,9 @@ class SaveRequest:
     reuse: Any = None
     buffers: BufferPool | None = None
     cancelled: threading.Event | None = None
-    region: _distributed.Region | None = dataclasses.field(default=None, compare=False)
+    region: _distributed.Region = dataclasses.field(
+        default_factory=lambda: _distributed.Region("save"), compare=False
+    )
 
     def __post_init__(self):
         if self.own_copy and self.created_at is None:

@@ -197,7 +197,7 @@ class SaveHandle:
         target: Any,
         *,
         cancelled: Cancellation | None = None,
-        region: _distributed.Region | None,
+        region: _distributed.Region,
         guard: Callable[[str], None] | None = None,
     ):
         self.path = path
@@ -225,7 +225,7 @@ class SaveHandle:
 
     def _run(self) -> None:
         try:
-            with _distributed.resumed(self._region):
+            with self._region.resumed():
                 self._result = self._target()
         except BaseException as e:  # noqa: BLE001  (re-raised on wait)
             e.add_note(f"raised by the background phase of the save to {self.path}")

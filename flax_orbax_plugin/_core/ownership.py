@@ -220,7 +220,7 @@ def prepare_slot(
     replace: bool,
     clear: bool = True,
     take_empty: bool = True,
-    region: _distributed.Region | None,
+    region: _distributed.Region,
 ) -> bool:
     """:func:`check_slot` for a save about to write at ``loc``, collective in ``region``;
     with ``clear`` what it found of ours is removed too. Returns whether ``loc`` held
@@ -237,7 +237,7 @@ def prepare_slot(
     if loc.supports_rename or _distributed.process_count() == 1:
         return look()
     verdict = {"held": False, "error": None, "kind": None}
-    op = _distributed.next_operation_id("slot", region=region)
+    op = region.next_operation_id("slot")
     own_error = None
     if _distributed.is_primary():
         try:
@@ -245,7 +245,7 @@ def prepare_slot(
         except Exception as e:  # noqa: BLE001  (every process learns of it, then raises)
             own_error = e
             verdict.update(error=str(e), kind=type(e).__name__)
-    verdict = json.loads(_distributed.broadcast_str(op, json.dumps(verdict), region=region))
+    verdict = json.loads(region.broadcast_str(op, json.dumps(verdict)))
     if own_error is not None:
         raise own_error
     if verdict["error"] is not None:

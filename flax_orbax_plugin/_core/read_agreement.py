@@ -34,7 +34,7 @@ def agree_on_read(location: Location, like: Any, request: ReadRequest) -> None:
         "options": f"cast={request.cast!r}, {request.changes.describe()}",
         "like": _layout.sha256("\n".join(leaves).encode()),
     }
-    views = _distributed.gather_json("read-agreement", mine, region=request.region)
+    views = request.region.gather_json("read-agreement", mine)
     for field in ("checkpoint", "options", "like"):
         values = [v[field] for v in views]
         if len(set(values)) == 1:
@@ -61,9 +61,9 @@ def _describe(leaf: Any) -> str:
     return f"{list(shape)} {dtype} {placed}"
 
 
-def _like_difference(leaves: list[str], region: _distributed.Region | None) -> str:
+def _like_difference(leaves: list[str], region: _distributed.Region) -> str:
     """The message for likes that differ (a second round: every process names its leaves)."""
-    views = _distributed.gather_json("read-agreement-leaves", leaves[:_SHOWN_LEAVES], region=region)
+    views = region.gather_json("read-agreement-leaves", leaves[:_SHOWN_LEAVES])
     first = views[0]
     for p, other in enumerate(views[1:], start=1):
         for a, b in zip(first, other, strict=False):

@@ -63,8 +63,8 @@ class ReadRequest:
     ``changes``: a restore into a changed model (``partial``, ``missing``,
     ``transform``, ``surgery``); ``dry_run``: return the plan of the read
     (``RestorePlan``), reading no array data; ``region``: the collective operation the
-    read is part of (``_base.regions``; its processes agree on what they read), or None
-    (one process, or a read one process may make alone).
+    read is part of (``_base.distributed``; its processes agree on what they read),
+    or one that spans nothing (one process, or a read one process may make alone).
     """
 
     memory_limit_bytes: int = DEFAULT_READ_LIMIT_BYTES
@@ -73,7 +73,9 @@ class ReadRequest:
     own_copy: bool = False
     changes: Changes = Changes()
     dry_run: bool = False
-    region: _distributed.Region | None = dataclasses.field(default=None, compare=False)
+    region: _distributed.Region = dataclasses.field(
+        default_factory=lambda: _distributed.Region("read"), compare=False
+    )
 
     def __post_init__(self):
         check_policy(self.cast)
@@ -86,7 +88,7 @@ class ReadRequest:
         *,
         own_copy: bool,
         changes: Changes | None,
-        region: _distributed.Region | None,
+        region: _distributed.Region,
         ceiling: int | None = None,
     ) -> ReadRequest:
         """The request of a manager step's items, in the manager restore's ``region``:

@@ -227,7 +227,7 @@ def read_targets(location: Location, doc: CheckpointDocument, targets: list, req
         error = e
     if collective:
         where = f"restore of {location}"
-        _distributed.agree("restore-read", error, region=request.region, what=where)
+        request.region.agree("restore-read", error, what=where)
     elif error is not None:
         raise error
     for target, sharding in shared:  # collective, in the same order on every process
@@ -482,7 +482,7 @@ def metadata(path: Any) -> _layout.CheckpointMetadata:
 
 def read_request(
     *,
-    region: _distributed.Region | None,
+    region: _distributed.Region,
     partial: bool = False,
     missing: str = "error",
     transform: Any = None,
@@ -531,7 +531,7 @@ def _dropped_or_same(opts: _onto_like.Changes, path: str) -> bool:
 
 def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
     like = _onto_like.concrete(like)  # shardings on an AbstractMesh: onto set_mesh's mesh
-    if not request.own_copy and request.region is not None:  # a collective read
+    if not request.own_copy and request.region.spans:  # a collective read
         agree_on_read(location, like, request)  # the same on every process, before a byte
     opts = request.changes
     if location.is_local and not opts.partial and opts.transform is None and not opts.surgery:

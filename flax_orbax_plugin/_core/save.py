@@ -140,7 +140,7 @@ def commit_collectively(
     abort: Callable[[], None],
     agreed: dict[str, Any] | None = None,
     structure: Callable[[], list[str]] | None = None,
-    region: _distributed.Region | None,
+    region: _distributed.Region,
 ) -> Written:
     """The protocol of the module docstring; returns what this process wrote.
 
@@ -179,7 +179,7 @@ def _primary_round(op, own_status, publish, abort, structure, region) -> str:
     try:
         statuses = [json.loads(own_status)]
         for p in range(1, _distributed.process_count()):
-            statuses.append(json.loads(_distributed.get_from(f"{op}/status", p, region=region)))
+            statuses.append(json.loads(region.get_from(f"{op}/status", p)))
         # one process: one status, nothing to disagree with
         outcome = _rounds.disagreement(statuses) if len(statuses) > 1 else None
         errors = [(p, s["error"]) for p, s in enumerate(statuses) if s["error"]]
@@ -203,8 +203,8 @@ def _primary_round(op, own_status, publish, abort, structure, region) -> str:
     if _distributed.process_count() > 1:
         differs = _rounds.STRUCTURE in outcome and structure is not None
         if differs:
-            _distributed.publish(f"{op}/structure", json.dumps(structure()), region=region)
-        _distributed.broadcast_str(f"{op}/outcome", outcome, region=region)
+            region.publish(f"{op}/structure", json.dumps(structure()))
+        region.broadcast_str(f"{op}/outcome", outcome)
         if differs:
             outcome += _rounds.their_difference(op, outcome, structure(), region)
     return outcome
@@ -221,7 +221,7 @@ def save(
     path: Any,
     tree: Any,
     *,
-    region: _distributed.Region | None,
+    region: _distributed.Region,
     force: bool = False,
     memory_limit_bytes: int | None = None,
     compression: str | None = None,
@@ -242,7 +242,7 @@ def save_async(
     path: Any,
     tree: Any,
     *,
-    region: _distributed.Region | None,
+    region: _distributed.Region,
     force: bool = False,
     memory_limit_bytes: int | None = None,
     compression: str | None = None,
@@ -298,7 +298,7 @@ def is_committed(path: Any) -> bool:
     return False
 
 
-def start_save(path, tree, region: _distributed.Region | None, given: dict) -> SaveHandle:
+def start_save(path, tree, region: _distributed.Region, given: dict) -> SaveHandle:
     """``fop.save_async`` in ``region``, every option checked first; interrupted, the
     save is cancelled (nothing staged is left)."""
     options = check_save(**given)
@@ -333,12 +333,12 @@ def _start(
                 location, what="a checkpoint", replace=force, clear=False, region=region
             )
             clear_first = held and not location.supports_rename
-            name = _distributed.unique_name(region=region)
+            name = region.unique_name()
             staging = Staging.begin(location, name, claim=False)
             job = _Background(
                 snap=snap,
                 staging=staging,
-                op=_distributed.next_operation_id("save", region=region),
+                op=region.next_operation_id("save"),
                 region=region,
                 clear_first=clear_first,
                 force=force,
@@ -368,7 +368,7 @@ class _Background:
     snap: Snapshot  # its request's ``cancelled``: the handle's
     staging: Staging
     op: str
-    region: _distributed.Region | None
+    region: _distributed.Region
     clear_first: bool
     force: bool
     start: float
@@ -382,7 +382,7 @@ class _Background:
         if self.clear_first:  # object store, no rename: start from an empty prefix
             if _distributed.is_primary():
                 _ownership.remove(location, action="clear")
-            _distributed.barrier(f"{self.op}/cleared", region=self.region)
+            self.region.barrier(f"{self.op}/cleared")
 
         def write() -> Written:
             raise_if_cancelled(cancelled, what)

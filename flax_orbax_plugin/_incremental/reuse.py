@@ -123,7 +123,7 @@ def leaf_digest(entries: Iterable[Entry]) -> str:
 
 
 def exchange(
-    op: str | None, mine: dict[int, list[Entry]] | None, region: _distributed.Region | None
+    op: str | None, mine: dict[int, list[Entry]] | None, region: _distributed.Region
 ) -> dict[int, list[Entry]] | None:
     """Every process's entries, merged per leaf index (``mine`` as is with one process);
     None when any process could not hash (or ``op`` is None). Background thread, same
@@ -138,10 +138,10 @@ def exchange(
             {str(i): [[[list(ab) for ab in b], h] for b, h in e] for i, e in mine.items()},
             separators=(",", ":"),
         )
-    _distributed.publish(f"{op}/regions", text, region=region)
+    region.publish(f"{op}/regions", text)
     merged: dict[int, list[Entry]] = {}
     failed = False
-    for value in _distributed.gather_str(f"{op}/regions", region=region):  # each read, always
+    for value in region.gather_str(f"{op}/regions"):  # each read, always
         got = json.loads(value)
         if got is None:
             failed = True
@@ -159,7 +159,7 @@ def release(reuses: Iterable[Reuse]) -> None:
         return
     for reuse in reuses:
         if reuse.op is not None:
-            _distributed.forget(f"{reuse.op}/regions")
+            _distributed.Region.forget(f"{reuse.op}/regions")
 
 
 # -- 2./3. the previous step and what to reuse ---------------------------------------------

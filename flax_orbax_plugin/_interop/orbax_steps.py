@@ -113,16 +113,16 @@ def list_steps(loc: Location) -> OrbaxSteps:
     return OrbaxSteps(loc, {s: found[s][1] for s in sorted(found)}, tuple(skipped))
 
 
-def agreed_latest(loc: Location, *, region: _distributed.Region | None) -> int | None:
+def agreed_latest(loc: Location, *, region: _distributed.Region) -> int | None:
     """Collective (every process, in the read's ``region``): the primary's latest
     finalized step, so no two processes read different steps; None when the primary
     found none (every process then lists the run and raises the same error)."""
-    op = _distributed.next_operation_id("orbax-latest-step", region=region)
+    op = region.next_operation_id("orbax-latest-step")
     latest = ""
     if _distributed.is_primary():
         try:
             latest = str(max(list_steps(loc).steps, default=""))
         except CheckpointError:
             pass  # raised by every process's own listing next, never left to a timeout
-    agreed = _distributed.broadcast_str(op, latest, region=region)
+    agreed = region.broadcast_str(op, latest)
     return int(agreed) if agreed else None

@@ -68,12 +68,12 @@ def shared_view(opts: Any) -> dict[str, Any]:
     return {field: _describe(getattr(opts, field)) for field in SHARED}
 
 
-def check_same_options(opts: Any, region: _distributed.Region | None) -> None:
+def check_same_options(opts: Any, region: _distributed.Region) -> None:
     """Collective (a writer's open, in ``region``): CoordinationError on every process
     naming each option whose :func:`shared_view` differs, and each process's value."""
     if _distributed.process_count() == 1:
         return
-    views = _distributed.gather_json("manager-options", shared_view(opts), region=region)
+    views = region.gather_json("manager-options", shared_view(opts))
     differ = []
     for field, label in SHARED.items():
         values = [json.dumps(v[field], sort_keys=True) for v in views]

@@ -367,10 +367,10 @@ class Events:
             kept.saved_step = step
             raise kept
 
-    def agree(self, kind: str, region: _distributed.Region | None, *, what: str) -> None:
+    def agree(self, kind: str, region: _distributed.Region, *, what: str) -> None:
         """Collective (in ``region``, as a barrier): raises on every process a hook error
         of this process, else of another (naming it)."""
-        _distributed.agree(kind, self._take(), region=region, what=what)
+        region.agree(kind, self._take(), what=what)
 
     # -- the events, as their callers have them
 

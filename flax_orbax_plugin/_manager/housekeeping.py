@@ -55,7 +55,7 @@ def refuse_step_directory(loc: Location) -> None:
 
 
 def open_writer(
-    loc: Location, *, own: bool = False, region: _distributed.Region | None
+    loc: Location, *, own: bool = False, region: _distributed.Region
 ) -> DirectoryLock | _lease.Lease | None:
     """A writer's open, on every process, in ``region``: the primary's lock (or lease on
     object stores) and removal of dead saves' remains (``own``: every process its own),
@@ -77,10 +77,8 @@ def open_writer(
     try:
         if own or _distributed.is_primary():
             remove_unfinished(loc)
-        _distributed.session_nonce(region=region)  # collective once; later names need none
-        _distributed.barrier(
-            _distributed.next_operation_id("manager-open", region=region), region=region
-        )
+        region.session_nonce()  # collective once; later names need none
+        region.barrier(region.next_operation_id("manager-open"))
     except BaseException:
         if dir_lock is not None:
             dir_lock.discard()  # a refused open leaves no lock file it created

@@ -77,7 +77,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
             opts = _options.ManagerOptions.build(directory, options)
             self._loc, self._stall_s = opts.location, opts.stall_timeout
             self._unheld = set(opts.overrides) - {getattr(opts.hf_shards, "name", None)}
-            self._scope = None if region is None else region.tag  # its operations' (lifecycle)
+            self._scope = region.tag  # its operations' (lifecycle)
             self._schedule = SaveSchedule(
                 opts.policy,
                 opts.clock,
@@ -159,7 +159,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
     all_steps = steps
 
     @_collective("manager-delete")
-    def delete(self, *steps: int, region: _distributed.Region | None) -> None:
+    def delete(self, *steps: int, region: _distributed.Region) -> None:
         """Removes the committed ``steps`` of this directory now, through the one owner
         of removal (only steps this library committed; each leaves listings at once);
         a step that is not committed is a CheckpointNotFoundError and removes nothing.
@@ -170,15 +170,15 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         self._check_writable()
         self._saver.wait()
         steps = list(dict.fromkeys(checked_step(step) for step in steps))  # each once
-        op = _distributed.next_operation_id("manager-delete", region=region)
-        _distributed.barrier(op, region=region)
+        op = region.next_operation_id("manager-delete")
+        region.barrier(op)
         if self._book.per_host:  # each host its own, agreed first
             _per_host.remove_steps(self._loc, steps, self.steps(), region)
         elif _distributed.is_primary():
             _housekeeping.remove_committed(self._loc, steps, self.steps())
         self._book.forget()  # the next need lists the store
-        op = _distributed.next_operation_id("manager-delete", region=region)
-        _distributed.barrier(op, region=region)
+        op = region.next_operation_id("manager-delete")
+        region.barrier(op)
 
     def latest_step(self, *, include_persistent: bool = True) -> int | None:
         """The highest committed step of either tier (``restore()``'s first), or None;
@@ -223,7 +223,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         step: int,
         state: Any = None,
         *,
-        region: _distributed.Region | None,
+        region: _distributed.Region,
         data_iterator: Any = None,
         extras: Mapping[str, Any] | None = None,
         ignore_policy: bool = False,
@@ -308,7 +308,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         self,
         step: int,
         *,
-        region: _distributed.Region | None,
+        region: _distributed.Region,
         expect: Iterable[str],
         overwrite: bool = False,
     ) -> StepParts:
@@ -397,7 +397,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         self,
         like: Any = None,
         *,
-        region: _distributed.Region | None,
+        region: _distributed.Region,
         step: int | None = None,
         items: str | Iterable[str] | None = None,
         data_iterator: Any = None,
@@ -477,7 +477,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         return self._book.last_save
 
     @_collective("manager-wait")
-    def wait(self, *, region: _distributed.Region | None) -> None:
+    def wait(self, *, region: _distributed.Region) -> None:
         """Block until the in-flight save is committed and retention has run.
 
         With several processes every process must call it (in the same order as save).
@@ -485,7 +485,7 @@ class CheckpointManager(HostMemory, Lifecycle):  # zero_copy.HostMemory, lifecyc
         """
         self._meet(region)
 
-    def _meet(self, region: _distributed.Region | None) -> None:
+    def _meet(self, region: _distributed.Region) -> None:
         """:meth:`wait`'s body, in ``region`` (its own, or a save's that stops: ``_close``)."""
         self._saver.wait()
         self._retainer.wait()

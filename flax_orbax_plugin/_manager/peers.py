@@ -63,13 +63,11 @@ def plan(offers: list[dict | None]) -> dict[int, int] | str:
     return out
 
 
-def fetch(
-    loc: Location, step: int, run: Any, holds: bool, region: _distributed.Region | None
-) -> bool:
+def fetch(loc: Location, step: int, run: Any, holds: bool, region: _distributed.Region) -> bool:
     """Collective (in ``region``): way (b) for ``step`` (``holds``: this process has a
     valid copy). True on every process when all now hold it committed, else False."""
     doc = _per_host.read_marker(loc, step)[0] if holds else None
-    offers = _distributed.gather_json("peer-offer", _offer(doc), region=region)
+    offers = region.gather_json("peer-offer", _offer(doc))
     chosen = plan(offers)
     if isinstance(chosen, str):
         logger.info("checkpoint: step %d cannot come from the peers, no way b: %s", step, chosen)
@@ -81,7 +79,7 @@ def fetch(
         error = _from_donor(loc, step, run, donor, me in takers, given, region)
         errors.append(error)
     error = next((e for e in errors if e is not None), None)
-    views = _distributed.gather_json("peer-commit", error, region=region)
+    views = region.gather_json("peer-commit", error)
     bad = [f"process {p}: {v}" for p, v in enumerate(views) if v is not None]
     if bad:
         logger.warning(
@@ -104,7 +102,7 @@ def _from_donor(
     donor: int,
     take: bool,
     doc: dict | None,
-    region: _distributed.Region | None,
+    region: _distributed.Region,
 ) -> str | None:
     """Collective: ``donor``'s copy of ``step`` sent to every process; committed here
     when ``take``. Returns this process's error (None: none)."""
@@ -126,7 +124,7 @@ def _from_donor(
                 "held": doc.get("held"),  # the donor's regions are the recipient's
             }
         )
-    listing = _distributed.gather_json("peer-listing", listing, region=region)[donor]
+    listing = region.gather_json("peer-listing", listing)[donor]
     if "error" in listing:
         return f"process {donor} could not read its copy: {listing['error']}" if take else None
     total = sum(size for _, size, _ in listing["files"])

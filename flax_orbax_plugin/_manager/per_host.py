@@ -181,11 +181,11 @@ def valid_steps(loc: Location, steps: list[int], run: Any, *, quiet: bool = Fals
     return out
 
 
-def agreed_time(region: _distributed.Region | None) -> float:
+def agreed_time(region: _distributed.Region) -> float:
     """Collective (in the save's ``region``): the primary's clock on every process, the
     ``created_at`` of a per-host step (every host writes the same bytes)."""
-    op = _distributed.next_operation_id("per-host-time", region=region)
-    return float(_distributed.broadcast_str(op, repr(time.time()), region=region))
+    op = region.next_operation_id("per-host-time")
+    return float(region.broadcast_str(op, repr(time.time())))
 
 
 def detect(
@@ -193,7 +193,7 @@ def detect(
     persistent: Any,
     incremental: bool,
     format_version: int | None,
-    region: _distributed.Region | None,
+    region: _distributed.Region,
 ) -> bool:
     """Collective, at a writer's open (in its ``region``): whether each process has its
     own directory (only with a persistent tier). Creates this process's directory."""
@@ -221,29 +221,27 @@ def detect(
     return own
 
 
-def open_tier(
-    loc: Location, tier: Any, own: bool, region: _distributed.Region | None
-) -> str | None:
+def open_tier(loc: Location, tier: Any, own: bool, region: _distributed.Region) -> str | None:
     """Collective (in the manager open's ``region``): opens ``tier`` with the local steps
     of ``loc`` (``own``: those every host holds of this run); returns the run owning the
     places (None unless ``own``), every host's directory claimed for it, or raises alike."""
     local_steps = _steps.committed_steps(loc)
     if own:
         mine = _open_view(loc, local_steps)
-        views = _distributed.gather_json("per-host-open", mine, region=region)
+        views = region.gather_json("per-host-open", mine)
         local_steps = _queued(views)
     tier.open(local_steps, region=region)
     if not own:
         return None
-    op = _distributed.next_operation_id("per-host-run", region=region)
-    run = json.loads(_distributed.broadcast_str(op, json.dumps(tier.run_id), region=region))
+    op = region.next_operation_id("per-host-run")
+    run = json.loads(region.broadcast_str(op, json.dumps(tier.run_id)))
     error = None
     if not _distributed.is_primary():  # the primary's: its run owner checked it
         try:
             claim_directory(loc, run, _steps.committed_steps(loc))
         except CheckpointError as e:
             error = e
-    _distributed.agree("per-host-claim", error, region=region, what=f"the open of {loc}")
+    region.agree("per-host-claim", error, what=f"the open of {loc}")
     # A full copy from the bucket holds every region: readable with any layout.
     tier.mark_copies(lambda step: host_marker(step, run, COPY_LAYOUT))
     return run
@@ -300,13 +298,13 @@ def claim_directory(loc: Location, run: str, steps: list[int]) -> None:
 
 
 def remove_steps(
-    loc: Location, steps: list[int], committed: list[int], region: _distributed.Region | None
+    loc: Location, steps: list[int], committed: list[int], region: _distributed.Region
 ) -> None:
     """Collective (in ``region``): ``CheckpointManager.delete`` over each host's own
     directory. Which host holds which step is agreed first; a step no host holds is a
     CheckpointNotFoundError everywhere (nothing removed); else each removes its own."""
     mine = [s for s in steps if s in committed]
-    held = _distributed.gather_json("per-host-delete", mine, region=region)
+    held = region.gather_json("per-host-delete", mine)
     missing = [s for s in steps if not any(s in view for view in held)]
     if missing:
         hosts = "; ".join(f"process {p}: {sorted(v)}" for p, v in enumerate(held))
@@ -319,16 +317,14 @@ def remove_steps(
             _removing.remove_step(loc, step)
 
 
-def with_primary_extras(
-    items: dict[str, Any], region: _distributed.Region | None
-) -> dict[str, Any]:
+def with_primary_extras(items: dict[str, Any], region: _distributed.Region) -> dict[str, Any]:
     """``items`` with the primary's ``extras`` item (none where it has none), on every
     process (collective, one broadcast in the save's ``region``): the step's one
     manifest records one checksum per file, so every host's copy holds the same JSON."""
     extras = items.get("extras")
-    op = _distributed.next_operation_id("per-host-extras", region=region)
+    op = region.next_operation_id("per-host-extras")
     text = json.dumps(None if extras is None else to_json(extras, "extras"))
     mine = text if _distributed.is_primary() else None
-    agreed = json.loads(_distributed.broadcast_str(op, mine, region=region))
+    agreed = json.loads(region.broadcast_str(op, mine))
     out = {n: v for n, v in items.items() if n != "extras"}
     return out if agreed is None else {**out, "extras": from_json(agreed)}

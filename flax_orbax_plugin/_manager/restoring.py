@@ -90,7 +90,7 @@ class Restorer:
         self._book.events.emit(RestoreDone(done, str(self._loc), *args))
         return result
 
-    def _ensure_local(self, step: int, region: _distributed.Region | None) -> bool:
+    def _ensure_local(self, step: int, region: _distributed.Region) -> bool:
         """The tier's copy down of ``step``, noting the tier the step comes from."""
         self._tier = "local" if step in self._book.listed() else "persistent"
         return self._book.tier.ensure_local(step, region)
@@ -141,14 +141,14 @@ class Restorer:
         raise CheckpointNotFoundError(f"no committed steps in {self._loc}")
 
     def _restore_per_host(
-        self, step: int | None, fn: Callable[[int], Any], region: _distributed.Region | None
+        self, step: int | None, fn: Callable[[int], Any], region: _distributed.Region
     ) -> Any:
         """Each host's own directory (collective; docs/tiers.md): way (a) every host
         reads its own copy; (b) the hosts lacking it get it from peers first; else (c)
         the bucket's step is copied down by every host, then read."""
         tier = self._book.tier
         mine = _per_host.valid_steps(self._loc, self._book.listed(), self._book.run)
-        views = _distributed.gather_json("restore-local", mine, region=region)
+        views = region.gather_json("restore-local", mine)
         common = set.intersection(*(set(v) for v in views))
         remote = set(tier.agreed_steps(region) or ())
         target = step if step is not None else max(common | remote, default=None)
@@ -193,7 +193,7 @@ class Restorer:
         return self._copied_down(target, fn, region)
 
     def _copied_down(
-        self, target: int, fn: Callable[[int], Any], region: _distributed.Region | None
+        self, target: int, fn: Callable[[int], Any], region: _distributed.Region
     ) -> Any:
         """Way (c): the persistent tier's ``target`` copied down, then read."""
         tier = self._book.tier
@@ -207,7 +207,7 @@ class Restorer:
         logger.info("checkpoint: restored step %d from %s (way c)", target, tier.remote)
         return result
 
-    def _from_peers(self, target: int, mine: list[int], region: _distributed.Region | None) -> bool:
+    def _from_peers(self, target: int, mine: list[int], region: _distributed.Region) -> bool:
         """Collective: way (b), ``target`` sent from peers; True when all now hold it."""
         if target in self._book.listed() and target not in mine:  # not this host's
             _removing.remove_step(self._loc, target)  # (an old map): a peer's replaces it
@@ -217,7 +217,7 @@ class Restorer:
         return done
 
     def _attempt(
-        self, step: int, fn: Callable[[int], Any], region: _distributed.Region | None
+        self, step: int, fn: Callable[[int], Any], region: _distributed.Region
     ) -> tuple[Any, list[str]]:
         """Collective: every host reads ``step``; this host's result and every host's error."""
         result, error = None, None
@@ -226,10 +226,10 @@ class Restorer:
         except CheckpointError as e:
             error = f"{type(e).__name__}: {e}"  # nothing set aside: a host's copy
             # lacking what a changed layout reads looks damaged; way (c) replaces it
-        views = _distributed.gather_json("restore-read", error, region=region)
+        views = region.gather_json("restore-read", error)
         return result, [f"process {p}: {v}" for p, v in enumerate(views) if v is not None]
 
-    def candidates(self, region: _distributed.Region | None) -> list[int]:
+    def candidates(self, region: _distributed.Region) -> list[int]:
         """Committed steps of both tiers, ascending (a step in both is read locally; the
         persistent tier's agreed in ``region``)."""
         steps = self._book.listed()
@@ -255,9 +255,7 @@ class Restorer:
         except OSError as e:
             logger.warning("checkpoint: could not move step %d aside: %s", step, e)
 
-    def _agreed(
-        self, step: int, fn: Callable[[int], Any], region: _distributed.Region | None
-    ) -> Any:
+    def _agreed(self, step: int, fn: Callable[[int], Any], region: _distributed.Region) -> Any:
         """:meth:`with_step` on every process together: when it fails on any process it
         fails on all, so every process goes on to the same next step or raises."""
         if _distributed.process_count() == 1:
@@ -268,7 +266,7 @@ class Restorer:
         except Exception as e:  # noqa: BLE001  (re-raised by the agreement)
             error = e
         where = f"restore of step {step} of {self._loc}"
-        _distributed.agree("restore-step", error, region=region, what=where)
+        region.agree("restore-step", error, what=where)
         return result
 
     def with_step(self, step: int, fn: Callable[[int], Any]) -> Any:

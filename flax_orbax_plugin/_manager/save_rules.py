@@ -458,7 +458,7 @@ class SaveSchedule:
         t: float | None,
         *,
         forced: bool = False,
-        region: _distributed.Region | None,
+        region: _distributed.Region,
     ) -> tuple[str | None, float]:
         """``(label, now)``: the lane ``step`` is saved in (:data:`FORCED` when ``forced``)
         or None, and the decision's time; a time-based one is the primary's, shared in
@@ -469,8 +469,8 @@ class SaveSchedule:
             label = FORCED
         now = moment.now
         if self._shares and _distributed.process_count() > 1:
-            op = _distributed.next_operation_id("manager-policy", region=region)
-            text = _distributed.broadcast_str(op, f"{label or ''}|{now!r}", region=region)
+            op = region.next_operation_id("manager-policy")
+            text = region.broadcast_str(op, f"{label or ''}|{now!r}")
             shared, _, when = text.partition("|")
             label, now = shared or None, float(when)
         if label is not None and moment.preempted:

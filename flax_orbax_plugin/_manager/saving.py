@@ -221,9 +221,7 @@ class Saver:
         """Where ``step`` (a checked int) is committed (``layout.step_dir``)."""
         return self._loc.child(_layout.step_dir(step))
 
-    def check_new_step(
-        self, step: int, overwrite: bool, region: _distributed.Region | None
-    ) -> list[int]:
+    def check_new_step(self, step: int, overwrite: bool, region: _distributed.Region) -> list[int]:
         """Refuses a step at or below the latest committed one unless ``overwrite``, or
         whose place holds what we did not write; clears a dead save's remains (agreed, in
         ``region``). Returns the committed local steps (from memory)."""
@@ -270,7 +268,7 @@ class Saver:
         local: list[int],
         *,
         replicate: bool,
-        region: _distributed.Region | None,
+        region: _distributed.Region,
     ) -> None:
         """Blocking phase of every item, then the background write and commit (the save
         in flight). ``local``: the committed local steps; ``replicate``: to the tier
@@ -341,7 +339,7 @@ class Saver:
         with_copy_item(dict.fromkeys(names), self._hf_shards, step)  # its checks
         return self._hf_shards.item, self._hf_shards.name
 
-    def begin_parts(self, step: int, local: list, region: _distributed.Region | None) -> OpenStep:
+    def begin_parts(self, step: int, local: list, region: _distributed.Region) -> OpenStep:
         """:meth:`begin` for a step saved in parts (``step_parts``), its SaveStarted said."""
         figure = _host_memory.resolve(self._ceiling)
         self._book.events.emit(SaveStarted(step, str(self._loc), figure, False))
@@ -352,7 +350,7 @@ class Saver:
         self._book.events.save_failed(step, str(self._loc), "blocking", error)
 
     def begin(
-        self, step: int, local: list, region: _distributed.Region | None, budget: Any = None
+        self, step: int, local: list, region: _distributed.Region, budget: Any = None
     ) -> OpenStep:
         """Opens ``step``'s staging and draws the request every item gets. Training
         thread, in ``region``; then :meth:`save_items`, :meth:`commit` (or
@@ -360,7 +358,7 @@ class Saver:
         started = time.perf_counter()
         final = self._step_dir(step)
         own = self._book.per_host
-        staging = Staging.begin(final, _distributed.unique_name(region=region), own=own)
+        staging = Staging.begin(final, region.unique_name(), own=own)
         prev = max((s for s in local if s < step), default=None) if self._incremental else None
         cancelled = Cancellation()  # the items' writes stop once it is set
         request = SaveRequest(  # the step's modes, once: each item gets them as its request
@@ -391,7 +389,7 @@ class Saver:
         pendings = opened.pendings
         kinds = [[n, entries[n].kind, getattr(p, "digest", "")] for n, p in pendings.items()]
         digest = _layout.sha256(_layout.encode(kinds))
-        op = _distributed.next_operation_id("manager-commit", region=region)
+        op = region.next_operation_id("manager-commit")
         lane, writer = self._book.lane_of(step), self._book.writer
         commit = StepCommit(
             self._loc, opened, entries, digest, host_marker=host_marker, writer=writer, lane=lane
@@ -433,7 +431,7 @@ class Saver:
                 item_request = request  # incremental: the same item of the previous step
                 if self._incremental and getattr(handlers[name], "incremental", False):
                     # the exchange's name: drawn here, in item order
-                    op = _distributed.next_operation_id("reuse", region=request.region)
+                    op = request.region.next_operation_id("reuse")
                     reuse = Reuse(opened.prev_loc, name, op)
                     opened.reuses.append(reuse)
                     item_request = request.replace(reuse=reuse)
@@ -564,14 +562,14 @@ class StepCommit:
         self._cancelled = opened.request.cancelled  # set: the save was interrupted
         self._writer = writer  # the manager's lock or lease: held still (before_commit)?
         self._lane = lane if lane in LANES else None  # recorded in the manifest (Lanes)
-        self._op, self._region = "", None  # the commit's names and region: run's
+        self._op, self._region = "", _distributed.Region("manager-commit")  # run's, at run
         self._sizes: list[Written] = []  # this process's totals, for the manifest
         self._old_dirs: set[str] = set()  # object stores: the replaced step's item dirs
         # (files, bytes) of the committed step as stored, counted by the process that
         # committed it (the primary; each host its own copy); None elsewhere.
         self.stored: tuple[int, int | None] | None = None
 
-    def run(self, op: str, region: _distributed.Region | None) -> Written:
+    def run(self, op: str, region: _distributed.Region) -> Written:
         """Background thread: every item written and durable, then the commit ``op``."""
         staging = self._staging
         if self._replace and not staging.renames and _distributed.is_primary():
@@ -612,7 +610,7 @@ class StepCommit:
         if _distributed.is_primary():
             failed = []
             for p in range(1, _distributed.process_count()):
-                report = _distributed.get_from(f"{op}/local", p, region=self._region)
+                report = self._region.get_from(f"{op}/local", p)
                 if report != "ok":
                     failed.append(f"process {p}: {report}")
             if failed:
@@ -621,16 +619,16 @@ class StepCommit:
                     f"in every host's own directory: " + "; ".join(failed)
                 )
             return
-        raw = _distributed.broadcast_str(f"{op}/manifest", None, region=self._region)
+        raw = self._region.broadcast_str(f"{op}/manifest", None)
         try:  # the primary committed its copy: this host commits its own
             self._staging.publish(MANIFEST_FILE, raw.encode(), replace=True)
             self.stored = measure_stored(self._staging.final)
         except BaseException as e:
             error = f"{type(e).__name__}: {e}"
-            _distributed.publish(f"{op}/local", error, region=self._region)
+            self._region.publish(f"{op}/local", error)
             self._abort()
             raise
-        _distributed.publish(f"{op}/local", "ok", region=self._region)
+        self._region.publish(f"{op}/local", "ok")
 
     def _write(self) -> Written:
         total, files, reused = 0, {}, 0
@@ -684,7 +682,7 @@ class StepCommit:
         staging = self._staging
         raw = manifest.to_bytes()
         if self._host_marker is not None and _distributed.process_count() > 1:
-            _distributed.broadcast_str(f"{self._op}/manifest", raw.decode(), region=self._region)
+            self._region.broadcast_str(f"{self._op}/manifest", raw.decode())
         if self._writer is not None:  # a lease lost meanwhile: nothing committed
             self._writer.before_commit()
         staging.publish(MANIFEST_FILE, raw, replace=True)

@@ -77,7 +77,7 @@ class StepParts:
         saver: Saver,
         opened: OpenStep,
         expect: tuple[str, ...],
-        region: _distributed.Region | None,
+        region: _distributed.Region,
         *,
         where: str,
         copies: tuple[str, str] | None,
@@ -126,7 +126,7 @@ class StepParts:
         and changes nothing; any other error gives the step up (its staging removed).
         Training thread; with several processes, on every process, parts in one order."""
         self._check_part(name)
-        with _distributed.resumed(self._region):  # a failure: told to the other processes
+        with self._region.resumed():  # a failure: told to the other processes
             try:
                 with self._saver.saving(), _interrupts.deferred_sigint():
                     self._save(name, value)
@@ -219,7 +219,7 @@ class StepParts:
             return
         if exc is not None:  # the block's own error goes on, told to the other processes
             self._give_up(exc)
-            if self._region is not None:
+            if self._region.spans:
                 _distributed.publish_failure(self._region, exc)
             return
         error = CheckpointError(
@@ -227,6 +227,6 @@ class StepParts:
             f"parts missing: {list(self.missing)} (saved: {list(self._saved)}); nothing was "
             f"committed and what the step staged is removed"
         )
-        with _distributed.resumed(self._region):  # told to the other processes
+        with self._region.resumed():  # told to the other processes
             self._give_up(error)
             raise error

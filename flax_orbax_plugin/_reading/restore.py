@@ -76,7 +76,7 @@ def _reader(item: StepItem) -> Any:
 
 
 # Onto devices of several processes the restore is collective (``region=``, drawn by
-# ``_base.regions``); onto host arrays one may read alone (``region`` None).
+# ``_base.distributed``); onto host arrays one may read alone (a region spanning nothing).
 @public(
     "restore",
     spans=lambda path, like=None, **_: _restore.spans_processes(like),
@@ -86,7 +86,7 @@ def restore(
     path: Any,
     like: Any = None,
     *,
-    region: _distributed.Region | None,
+    region: _distributed.Region,
     partial: bool = False,
     missing: str = "error",
     transform: Any = None,
@@ -176,7 +176,7 @@ def _restore_orbax(location: Location, like: Any, request: ReadRequest) -> Any:
     """The Orbax checkpoint at ``location``, read through tensorstore; collective when
     ``like`` spans processes (all read the primary's latest step of a run)."""
     region, opts = request.region, request.changes
-    if region is not None:
+    if region.spans:
         agree_on_read(location, concrete(like), request)
     if opts.surgery or request.dry_run:
         raise _not_for_orbax(location, "surgery= and dry_run=", "(fop.import_orbax(src, dst))")
@@ -270,7 +270,7 @@ def restore_params(
     directory: Any,
     like: Any = None,
     *,
-    region: _distributed.Region | None,
+    region: _distributed.Region,
     step: int | None = None,
     item: str = "params",
     dtype: Any = None,
@@ -424,12 +424,12 @@ def _pytree_item(items: Mapping, item: str, where: str, step_loc: Location) -> A
 
 
 def _agreed_latest(
-    loc: Location, steps: list[int], region: _distributed.Region | None
+    loc: Location, steps: list[int], region: _distributed.Region
 ) -> tuple[int | None, list[int]]:
     """Collective (in ``region``): the primary's latest step on every process (else each
     might read its own latest: two steps in one model), and this process's listing."""
-    op = _distributed.next_operation_id("serve-step", region=region)
-    agreed = _distributed.broadcast_str(op, str(steps[-1]) if steps else "", region=region)
+    op = region.next_operation_id("serve-step")
+    agreed = region.broadcast_str(op, str(steps[-1]) if steps else "")
     if not agreed:
         return None, steps
     step = int(agreed)

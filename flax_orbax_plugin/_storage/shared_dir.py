@@ -19,9 +19,7 @@ PREFIX = ".fop-visible-"
 _MAX = 256  # bytes read back: the nonce is 32
 
 
-def check_visible(
-    loc: Location, region: _distributed.Region | None, *, per_host_ok: bool = False
-) -> bool:
+def check_visible(loc: Location, region: _distributed.Region, *, per_host_ok: bool = False) -> bool:
     """Raises CheckpointError on every process when some process does not see what the
     primary wrote in ``loc``. Every process calls it, in the manager open's ``region``.
     With ``per_host_ok`` (a persistent tier), a directory per host is accepted: True
@@ -31,10 +29,10 @@ def check_visible(
     if per_host_ok:
         return _per_host(loc, region)
     directory = loc.path.rstrip("/")
-    op = _distributed.next_operation_id("visible", region=region)
+    op = region.next_operation_id("visible")
     created, shared = _create(directory) if _distributed.is_primary() else (None, None)
     try:
-        sent = json.loads(_distributed.broadcast_str(f"{op}/file", shared, region=region))
+        sent = json.loads(region.broadcast_str(f"{op}/file", shared))
         if "error" in sent:
             raise CheckpointError(
                 f"{loc}: process 0 could not create the file that shows every process "
@@ -43,41 +41,41 @@ def check_visible(
         if not _distributed.is_primary():
             seen = _read(directory, sent["name"], sent["nonce"].encode())
             report = json.dumps({"host": socket.gethostname(), "seen": seen})
-            _distributed.publish(f"{op}/report", report, region=region)
-            verdict = _distributed.broadcast_str(f"{op}/verdict", None, region=region)
+            region.publish(f"{op}/report", report)
+            verdict = region.broadcast_str(f"{op}/verdict", None)
         else:
             reports = [None] + [
-                json.loads(_distributed.get_from(f"{op}/report", p, region=region))
+                json.loads(region.get_from(f"{op}/report", p))
                 for p in range(1, _distributed.process_count())
             ]
             verdict = _verdict(loc, sent["host"], reports)
-            _distributed.broadcast_str(f"{op}/verdict", verdict, region=region)
+            region.broadcast_str(f"{op}/verdict", verdict)
     finally:
         if created is not None:
             _remove(directory, *created)
-    _distributed.forget(f"{op}/report")
+    region.forget(f"{op}/report")
     if verdict:
         raise CheckpointError(verdict)
     return False
 
 
-def _per_host(loc: Location, region: _distributed.Region | None) -> bool:
+def _per_host(loc: Location, region: _distributed.Region) -> bool:
     """Every process writes a file of its own and looks for every other's: all seen, one
     shared directory (False); none, a directory per host (True); else CheckpointError."""
     directory = loc.path.rstrip("/")
-    op = _distributed.next_operation_id("visible", region=region)
+    op = region.next_operation_id("visible")
     me, count = _distributed.process_index(), _distributed.process_count()
     created, mine = _create(directory)
     try:
-        _distributed.publish(f"{op}/file", mine, region=region)
-        files = [json.loads(v) for v in _distributed.gather_str(f"{op}/file", region=region)]
+        region.publish(f"{op}/file", mine)
+        files = [json.loads(v) for v in region.gather_str(f"{op}/file")]
         seen = [
             "yes" if p == me else _read(directory, f["name"], f["nonce"].encode())
             for p, f in enumerate(files)
             if "error" not in f
         ]
-        _distributed.publish(f"{op}/seen", json.dumps(seen), region=region)
-        views = [json.loads(v) for v in _distributed.gather_str(f"{op}/seen", region=region)]
+        region.publish(f"{op}/seen", json.dumps(seen))
+        views = [json.loads(v) for v in region.gather_str(f"{op}/seen")]
     finally:
         if created is not None:
             _remove(directory, *created)

@@ -54,7 +54,11 @@ def test_the_entry_names_the_keyword_meant_and_says_a_refusal_in_words():
             raise ValueError("passes unchanged")
         return (path, region, limit)
 
-    assert probe("x", limit=2) == ("x", None, 2)  # one process: no region drawn
+    path, region, limit = probe("x", limit=2)
+    assert (path, limit) == ("x", 2)
+    # one process: the body gets a collective object that spans nothing (no tag drawn)
+    assert isinstance(region, _distributed.Region) and region.kind == "probe"
+    assert region.tag is None and not region.spans
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'limt': did you mean"):
         probe("x", limt=2)
     with pytest.raises(StoreAccessError, match="bad: no such bucket"):
@@ -152,7 +156,9 @@ def test_public_on_a_class_makes_each_public_method_an_entry():
     probe = Probe("x", limit=3)
     assert probe.run("x", times=2) == ("run", "x", 2)
     assert probe.shared("y") == ("shared", "y", 1)
-    assert probe.ask("z", count=4) == ("ask", "z", None, 4)  # one process: no region drawn
+    what, path, region, count = probe.ask("z", count=4)
+    assert (what, path, count) == ("ask", "z", 4)
+    assert region.kind == "probe-ask" and not region.spans  # one process: no tag drawn
     assert probe.size == 3 and Probe.make("m").path == "m"
     with Probe("w") as entered:
         assert entered.path == "w"

@@ -96,10 +96,10 @@ def mutual_wait(ctx):
     They meet first, so that both reach their waits together on a loaded machine."""
     from flax_orbax_plugin._base import distributed as _distributed
 
-    _distributed.barrier("fop/test/mutual-met", region=None)
+    _distributed.Region("test").barrier("fop/test/mutual-met")
     t = time.monotonic()
     try:
-        _distributed.barrier(f"fop/test/mutual-{ctx.process_id}", region=None)
+        _distributed.Region("test").barrier(f"fop/test/mutual-{ctx.process_id}")
         return {"error": None}
     except fop.CoordinationError as e:
         return {"error": str(e), "s": time.monotonic() - t}
@@ -111,7 +111,7 @@ def one_sided_save(ctx, directory):
     process 0's call has failed (its result written), 6 s at most."""
     from flax_orbax_plugin._base import distributed as _distributed
 
-    _distributed.barrier("fop/test/met", region=None)
+    _distributed.Region("test").barrier("fop/test/met")
     if ctx.process_id == 1:
         primary_done = os.path.join(ctx.job["workdir"], "result_0.json")
         end = time.monotonic() + 6
@@ -131,13 +131,13 @@ def waits_on_a_dead_process(ctx, waits):
     ``waits`` barriers in turn, each timed."""
     from flax_orbax_plugin._base import distributed as _distributed
 
-    _distributed.barrier("fop/test/dead-met", region=None)
+    _distributed.Region("test").barrier("fop/test/dead-met")
     ctx.point("met")  # process 1 dies here (Kill)
     out = []
     for i in range(waits):
         t = time.monotonic()
         try:
-            _distributed.barrier(f"fop/test/dead-{i}", region=None)
+            _distributed.Region("test").barrier(f"fop/test/dead-{i}")
             out.append({"error": None, "s": time.monotonic() - t})
         except fop.CoordinationError as e:
             out.append({"error": str(e), "s": time.monotonic() - t})

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..._base import interrupts as _interrupts
 from ..._base import tree as _tree
-from ..._base.distributed import public
+from ..._base.distributed import Region, public
 from ..._base.env import check
 from ..._core import ownership as _ownership
 from ..._core import restore as _restore
@@ -98,7 +98,9 @@ def _checkpoint_leaves(src: Any, limit: int | None) -> tuple[list, Callable]:
                 node = node.setdefault(part, {})
             node[parts[-1]] = None
         # host arrays, ``limit`` bytes of reads in flight
-        request = _restore.read_request(region=None, partial=True, memory_limit_bytes=limit)
+        request = _restore.read_request(
+            region=Region("export"), partial=True, memory_limit_bytes=limit
+        )
         read_alone = _restore.restore_with(src, template, request)
         flat, _ = _tree.flatten(read_alone)
         values = {p: v for p, _, v in flat}

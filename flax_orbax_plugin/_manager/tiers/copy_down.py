@@ -158,7 +158,7 @@ class CopyDown:
         self._state = state
         self._damaged = damaged
 
-    def ensure_local(self, step: int, region: _distributed.Region | None) -> bool:
+    def ensure_local(self, step: int, region: _distributed.Region) -> bool:
         """Training thread, on restore: makes ``step`` a committed local step, copying it
         down when the local tier lacks it; False when neither tier has it;
         CorruptCheckpointError (nothing left locally) when the copy fails its checks.
@@ -168,8 +168,8 @@ class CopyDown:
         if self._places.per_host:
             return self._each_ensure_local(step, region)
         outcome, error = self._outcome(step) if self._places.primary else ("absent", None)
-        op = _distributed.next_operation_id("tiers-copy-down", region=region)
-        outcome = _distributed.broadcast_str(op, outcome, region=region)
+        op = region.next_operation_id("tiers-copy-down")
+        outcome = region.broadcast_str(op, outcome)
         if outcome.startswith(("corrupt", "failed")):
             if self._places.primary:
                 raise error
@@ -179,13 +179,13 @@ class CopyDown:
             )
         return outcome == "present"
 
-    def _each_ensure_local(self, step: int, region: _distributed.Region | None) -> bool:
+    def _each_ensure_local(self, step: int, region: _distributed.Region) -> bool:
         """Each host's own directory: every process copies the step down into its own,
         then the outcomes are shared: all restore it, or all raise."""
         outcome, error = self._outcome(step)
-        op = _distributed.next_operation_id("tiers-copy-down", region=region)
-        _distributed.publish(op, outcome, region=region)
-        outcomes = _distributed.gather_str(op, region=region)
+        op = region.next_operation_id("tiers-copy-down")
+        region.publish(op, outcome)
+        outcomes = region.gather_str(op)
         if error is not None:
             raise error
         bad = [(p, o) for p, o in enumerate(outcomes) if o.startswith(("corrupt", "failed"))]

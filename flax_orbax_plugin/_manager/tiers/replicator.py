@@ -72,7 +72,7 @@ class Rounds:
         self.prefix = ""
         self._round = 0
         # The rounds' region: a replicator thread's error published there ends the others' waits.
-        self.region: _distributed.Region | None = None
+        self.region = _distributed.Region("tier-rounds")
 
     def start_region(self) -> None:
         """At open, once :attr:`prefix` is agreed: the rounds' region (several processes)."""
@@ -94,7 +94,7 @@ class Rounds:
 
     def in_region(self, run) -> None:
         """Runs a replicator thread's ``run`` in the rounds' region."""
-        with _distributed.resumed(self.region):
+        with self.region.resumed():
             run()
 
     def next_key(self) -> str:
@@ -107,7 +107,7 @@ class Rounds:
 
     def announce(self, rnd: Round, decision: str) -> None:
         """Primary: publishes a round's decision (a JSON object, or ``stop``)."""
-        _distributed.broadcast_str(rnd.key, decision, region=self.region)
+        self.region.broadcast_str(rnd.key, decision)
         rnd.announced = True
 
     def finish(self, rnd: Round | None, outcome: str) -> None:
@@ -117,12 +117,12 @@ class Rounds:
             return
         try:
             if rnd.announced:
-                _distributed.broadcast_str(f"{rnd.key}/outcome", outcome, region=self.region)
+                self.region.broadcast_str(f"{rnd.key}/outcome", outcome)
             else:
                 self.announce(rnd, json.dumps({"step": rnd.step, "outcome": outcome}))
         except Exception as e:  # noqa: BLE001  (the others learn it from the region)
             logger.warning("checkpoint: could not publish round %s: %s", rnd.key, e)
-            if self.region is not None:  # they would wait for it: the rounds end here
+            if self.region.spans:  # they would wait for it: the rounds end here
                 _distributed.publish_failure(self.region, e)
 
     def lead(self, rnd: Round, step: int, nonce: str, raw: bytes, nfiles: int | None) -> int:
@@ -132,7 +132,7 @@ class Rounds:
         self.announce(rnd, json.dumps({"step": step, "staging": nonce, "manifest": sha}))
         statuses = [self.copy_share(step, nonce, sha, rnd.key)]
         for p in range(1, _distributed.process_count()):
-            got = _distributed.get_from(f"{rnd.key}/status", p, region=self.region)
+            got = self.region.get_from(f"{rnd.key}/status", p)
             statuses.append(json.loads(got))
         return check_statuses(statuses, nfiles)
 
@@ -238,11 +238,11 @@ class Rounds:
         if outcome is None:
             self._state.start_yielding()
             status = self.copy_share(step, info["staging"], info["manifest"], key)
-            _distributed.publish(f"{key}/status", json.dumps(status), region=self.region)
+            self.region.publish(f"{key}/status", json.dumps(status))
             # The primary may spend up to one timeout gathering statuses.
-            wait = 2 * _distributed.stall_timeout(region=self.region)
+            wait = 2 * self.region.stall_timeout()
             said = f"{key}/outcome"
-            outcome = _distributed.broadcast_str(said, None, region=self.region, timeout_s=wait)
+            outcome = self.region.broadcast_str(said, None, timeout_s=wait)
         self._settle(step, outcome)
 
     def _await_round(self, key: str) -> str | None:
@@ -262,7 +262,7 @@ class Rounds:
                     _distributed.DEFAULT_TIMEOUT_S,
                 )
                 return None
-            decision = _distributed.poll(key, region=self.region, wait_s=POLL_S)
+            decision = self.region.poll(key, wait_s=POLL_S)
             if decision is not None:
                 return decision
 
@@ -311,15 +311,15 @@ def share_of_hosts(
     key: str,
     sizes,
     manifest,
-    region: _distributed.Region | None,
+    region: _distributed.Region,
     error: BaseException | None = None,
 ):
     """Each host's own directory, every process in a round: publishes its listing (or
     ``error``), gathers every host's; returns (its share of the union, the union's
     digest, its size). CheckpointError when the hosts' copies do not add up."""
     mine = {"error": f"{type(error).__name__}: {error}"} if error else {"sizes": sizes}
-    _distributed.publish(key, json.dumps(mine), region=region)
-    listings = [json.loads(v) for v in _distributed.gather_str(key, region=region)]
+    region.publish(key, json.dumps(mine))
+    listings = [json.loads(v) for v in region.gather_str(key)]
     if error is not None:
         return [], None, None
     failed = [f"process {p}: {v['error']}" for p, v in enumerate(listings) if "error" in v]

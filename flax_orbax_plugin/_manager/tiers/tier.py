@@ -123,7 +123,7 @@ class PersistentTier:
         self,
         local_steps: Iterable[int],
         *,
-        region: _distributed.Region | None,
+        region: _distributed.Region,
     ) -> None:
         """Cleans the persistent tier's unfinished copies, queues the local steps it lacks
         and starts the replicator thread. Collective, in the manager open's ``region``:
@@ -207,8 +207,8 @@ class PersistentTier:
         return None if owner is None else owner.run_id
 
     def agreed_steps(self, region: _distributed.Region | None = None) -> list[int] | None:
-        """Collective (in ``region``): the primary's :meth:`steps` on every process; None
-        (logged) when the store cannot be listed."""
+        """Collective (in ``region``; None: a call outside an operation): the primary's
+        :meth:`steps` on every process; None (logged) when the store cannot be listed."""
         steps = None
         if self._places.primary:
             try:
@@ -216,8 +216,9 @@ class PersistentTier:
             except Exception as e:  # noqa: BLE001  (an unreachable store: the local tier)
                 logger.warning("checkpoint: cannot list %s: %s", self.remote, e)
         if self._places.multi:
-            op = _distributed.next_operation_id("tiers-steps", region=region)
-            steps = json.loads(_distributed.broadcast_str(op, json.dumps(steps), region=region))
+            region = region or _distributed.Region("tiers-steps")
+            op = region.next_operation_id("tiers-steps")
+            steps = json.loads(region.broadcast_str(op, json.dumps(steps)))
         return steps
 
     def remove(self, step: int) -> None:
@@ -227,7 +228,7 @@ class PersistentTier:
         if self._places.primary:
             self._places.remove_step(self.remote, step)
 
-    def ensure_local(self, step: int, region: _distributed.Region | None) -> bool:
+    def ensure_local(self, step: int, region: _distributed.Region) -> bool:
         """Training thread, collective: :meth:`CopyDown.ensure_local`."""
         return self._copy_down.ensure_local(step, region)
 
@@ -361,11 +362,11 @@ def _share_open(
     remote_steps: list[int],
     missing: list[int],
     failure: BaseException | None,
-    region: _distributed.Region | None,
+    region: _distributed.Region,
 ) -> tuple[list[int], list[int]]:
     """Every process (in ``region``): the primary's persistent steps and steps to queue
     (returned), damage record and round prefix (set), or its error (raised)."""
-    op = _distributed.next_operation_id("tiers-open", region=region)
+    op = region.next_operation_id("tiers-open")
     mine = {
         "remote": remote_steps,
         "missing": missing,
@@ -373,7 +374,7 @@ def _share_open(
         "rounds": secrets.token_hex(6),
         "error": None if failure is None else [type(failure).__name__, str(failure)],
     }
-    shared = json.loads(_distributed.broadcast_str(op, json.dumps(mine), region=region))
+    shared = json.loads(region.broadcast_str(op, json.dumps(mine)))
     if shared["error"] is not None:  # every process raises the primary's error
         if failure is not None:
             raise failure
