@@ -6,7 +6,8 @@ public name (PEP 562); nothing else imports it.
 # ruff: noqa: F401  (every import here is a re-export, through the package)
 
 from ._base.keywords import named_keywords as _named_keywords
-from ._core.save import SaveHandle, SaveResult, is_committed, save, save_async
+from ._core.save import SaveHandle, SaveResult, save
+from ._core.save_async import is_committed, save_async
 from ._core.verify import VerifyResult, verify
 from ._errors import (
     CheckpointError,
