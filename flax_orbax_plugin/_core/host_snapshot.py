@@ -32,6 +32,7 @@ from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunks as _chunks
 from .._zarr import packed_writer as _packed_writer
+from .._zarr import subbyte as _subbyte
 from . import device_copy as _device_copy
 from .handle import raise_if_cancelled
 
@@ -232,7 +233,7 @@ def _copy_small(storage: BatchStorage, source, batch_data, pieces, ends, pool) -
     name = storage.batch
     off, size = storage.offset, storage.size
     if storage.packed:  # a sub-byte leaf: its packed bytes (a new array)
-        source = _chunks.pack_flat(np.asarray(source))
+        source = _subbyte.pack_flat(np.asarray(source))
     if pool is None:
         if isinstance(source, jax.Array):
             host = _host_copy(source, None)
@@ -507,7 +508,7 @@ def write_packed(
     dtypes = {batch_dir(name): b.dtype for name, b in batches.items()}  # as stored
     for leaf in leaves:
         if isinstance(leaf.record.storage, ArrayStorage):
-            dtypes[array_dir(leaf.index)] = _chunks.stored(leaf.record).dtype
+            dtypes[array_dir(leaf.index)] = _subbyte.stored(leaf.record).dtype
     name, raw = writer.write_index(dtypes)
     return pending.written, {name: sha256(raw)}, 0 if taken is None else taken.nbytes
 

@@ -44,6 +44,7 @@ from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunks as _chunks
 from .._zarr import packed_writer as _packed_writer
+from .._zarr import subbyte as _subbyte
 from . import device_copy as _device_copy
 from . import formats as _formats
 from . import host_snapshot as _host_snapshot
@@ -411,10 +412,10 @@ def _stored_leaves(leaves: list[Leaf], found):
     for leaf in leaves:
         if _chunks.is_packed(leaf.record):
             writes = [
-                _chunks.pack_write(leaf.record, index, _host_snapshot.materialize(data))
+                _subbyte.pack_write(leaf.record, index, _host_snapshot.materialize(data))
                 for index, data in leaf.writes
             ]
-            leaf = Leaf(leaf.index, leaf.value, _chunks.stored(leaf.record), writes)
+            leaf = Leaf(leaf.index, leaf.value, _subbyte.stored(leaf.record), writes)
         out.append(leaf)
         by_index[leaf.index] = leaf
     if found is not None:

@@ -41,8 +41,8 @@ from .._like.onto_like import describe as _describe
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
-from .._zarr import chunks as _chunks
 from .._zarr import packed_reader as _packed_reader
+from .._zarr import subbyte as _subbyte
 from .._zarr.chunks import CHUNK_DIR
 
 # Reads in flight beyond the result. Small: leaves read one after another (each with
@@ -147,7 +147,7 @@ def check_claims(
             continue
         if own_copy and getattr(target.like, "sharding", None) is not None:
             continue
-        record = _chunks.stored(target.record)  # as stored: a sub-byte leaf's packed bytes
+        record = _subbyte.stored(target.record)  # as stored: a sub-byte leaf's packed bytes
         storage = record.storage
         itemsize = _layout.dtype_from_name(record.dtype, path=record.path).itemsize
         needed = _chunk_files.array_claim(
@@ -332,7 +332,7 @@ def _final_value(target: Target, host: np.ndarray) -> Any:
     record, like = target.record, target.like
     kind = record.kind
     if isinstance(record.storage, BatchStorage) and record.storage.packed:
-        host = _chunks.unpack_flat(host, record)  # a sub-byte leaf's packed bytes
+        host = _subbyte.unpack_flat(host, record)  # a sub-byte leaf's packed bytes
     host = host.reshape(record.shape)
     if kind == "prng_key":
         keys = jax.random.wrap_key_data(host, impl=record.impl)

@@ -40,6 +40,7 @@ from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
 from .._zarr import chunks as _chunks
+from .._zarr import subbyte as _subbyte
 from . import formats as _formats
 from . import surgery_reads as _surgery_reads
 from .read_agreement import agree_on_read
@@ -296,9 +297,9 @@ def read_region(fmt, store, target: Target, direct, region=None):
     if target.virtual is not None:  # made by surgery: ``store`` reads the saved leaves
         return _surgery_reads.VirtualRead(target.virtual, region, store)
     if _chunks.is_packed(record):
-        inner, width, skip = _chunks.stored_region(record, region)
-        read = fmt.read_stored(store, target.index, _chunks.stored(record), direct, inner)
-        return _chunks.Unpacked(read, record, width, skip)
+        inner, width, skip = _subbyte.stored_region(record, region)
+        read = fmt.read_stored(store, target.index, _subbyte.stored(record), direct, inner)
+        return _subbyte.Unpacked(read, record, width, skip)
     return fmt.read_stored(store, target.index, record, direct, region)
 
 

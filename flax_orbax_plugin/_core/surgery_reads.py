@@ -11,7 +11,7 @@ import numpy as np
 
 from .._format.layout import ArrayStorage
 from .._like.surgery_plan import Piece
-from .._zarr import chunks as _chunks
+from .._zarr import subbyte as _subbyte
 from .reads import Target, make_target, read_slice
 
 
@@ -47,7 +47,7 @@ class _Cut:
         off, size = self.record.storage.offset - self.start, self.record.storage.size
         data = self.read.result()[off : off + size]
         if self.record.storage.packed:  # a sub-byte leaf's packed bytes
-            data = _chunks.unpack_flat(data, self.record)
+            data = _subbyte.unpack_flat(data, self.record)
         data = data.reshape(self.record.shape)
         return data[tuple(slice(lo, hi) for lo, hi in self.box)]
 

@@ -27,6 +27,7 @@ from .._format.layout import (
 )
 from .._storage.location import Location, context
 from . import chunks as _chunks
+from . import subbyte as _subbyte
 
 CHUNK_TARGET_BYTES = 4 << 20  # large leaves: chunks of at most ~4 MiB (restore peak memory)
 # batches of small leaves: one file per ~16 MiB (its inner chunks: BatchRecord.inner)
@@ -195,7 +196,7 @@ def environmental(error: BaseException) -> OSError | None:
 
 def leaf_spec(root: Location, index: int, record: LeafRecord) -> dict[str, Any]:
     """The spec of leaf number ``index``'s own array under ``root`` (packed: its bytes)."""
-    record = _chunks.stored(record)
+    record = _subbyte.stored(record)
     itemsize = dtype_from_name(record.dtype, path=record.path).itemsize
     shape, chunk, codec = record.shape, record.storage.chunk_shape, record.storage.codec
     return spec(root, array_dir(index), shape, record.dtype, chunk, itemsize, codec=codec)

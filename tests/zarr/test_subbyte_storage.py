@@ -14,7 +14,7 @@ import pytest
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._errors import CorruptCheckpointError
 from flax_orbax_plugin._format import layout as _layout
-from flax_orbax_plugin._zarr import chunks as _subbyte
+from flax_orbax_plugin._zarr import subbyte as _subbyte
 
 SUB_BYTE = sorted(n for n, e in _layout.DTYPES.items() if e.bits < 8)
 

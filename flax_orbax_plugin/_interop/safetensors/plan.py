@@ -20,7 +20,7 @@ from ..._base.env import Option, found
 from ..._core.formats import MEMORY_LIMIT
 from ..._errors import OptionError, OptionTypeError, StructureError
 from ..._like import onto_like as _onto_like
-from ..._zarr.chunks import pack_rows
+from ..._zarr.subbyte import pack_rows
 from .headers import (
     METADATA_KEY,
     TAGS,

@@ -23,7 +23,7 @@ from ..._errors import CorruptCheckpointError, OptionError, StructureError
 from ..._like import placing as _placing
 from ..._like.onto_like import legacy_cast
 from ..._storage.untrusted import open_regular
-from ..._zarr.chunks import group, unpack_rows
+from ..._zarr.subbyte import group, unpack_rows
 from .headers import (
     Stored,
     default_names,
