@@ -16,8 +16,6 @@ from typing import Any
 from .._base import distributed as _distributed
 from .._errors import CoordinationError
 
-__all__ = ["check_same_options", "shared_view"]
-
 # ManagerOptions field -> the public name a user sees in the error.
 SHARED = {
     "policy": "the save policy (every_steps=, every_seconds=, policy=, ...)",

@@ -30,8 +30,6 @@ from .options import CALLBACK
 
 logger = logging.getLogger("flax_orbax_plugin")
 
-__all__ = ["CheckpointCallback"]
-
 
 @_distributed.public(errors=refusals(arguments("directory")))  # its manager names the rest
 class CheckpointCallback:

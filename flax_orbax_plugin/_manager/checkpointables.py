@@ -34,23 +34,6 @@ from .._state.iterators import iterator_state, set_iterator_state
 from .._storage import local_files as _local_files
 from .._storage.location import Location
 
-__all__ = [
-    "BUILTIN_CHECKPOINTABLES",
-    "Checkpointable",
-    "DataIteratorCheckpointable",
-    "JsonCheckpointable",
-    "Pending",
-    "PytreeCheckpointable",
-    "ReadRequest",
-    "SaveRequest",
-    "StepCheckpointable",
-    "Written",
-    "checkpointable_for",
-    "kind_of",
-    "position_across_counts",
-    "position_record",
-]
-
 
 def to_json(value: Any, where: str, depth: int = 0) -> Any:
     """``value`` as JSON data (bytes as ``{"__bytes__": b64}``, NaN and infinities as

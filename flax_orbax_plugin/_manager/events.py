@@ -23,25 +23,6 @@ from .._errors import EventHookError, HookReentryError
 from .._storage.local_files import walk_entries
 from .._storage.location import Location
 
-__all__ = [
-    "Event",
-    "EventHookError",
-    "Events",
-    "HookReentryError",
-    "MONITORING_NAMES",
-    "MetricWriterEvents",
-    "RestoreDone",
-    "SaveBlockingDone",
-    "SaveCommitted",
-    "SaveFailed",
-    "SaveStarted",
-    "StepReplicated",
-    "StepsRemoved",
-    "measure_stored",
-    "refuse_from_hooks",
-    "stored_size",
-]
-
 
 @dataclasses.dataclass(frozen=True)
 class Event:

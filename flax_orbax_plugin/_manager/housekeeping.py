@@ -23,15 +23,6 @@ from .._storage import lease as _lease
 from .._storage.location import Location
 from .._storage.lock import DirectoryLock
 
-__all__ = [
-    "open_writer",
-    "refuse_step_directory",
-    "raise_stuck",
-    "remove_unfinished",
-    "roll_forward",
-    "rolls_forward",
-]
-
 logger = logging.getLogger("flax_orbax_plugin")
 
 

@@ -14,8 +14,6 @@ from .._errors import OptionError
 from .retention import KeepRule, StepFacts, check_keep
 from .save_rules import Moment, SaveRule, check_rule
 
-__all__ = ["PERMANENT", "TEMPORARY", "Lane", "Lanes"]
-
 TEMPORARY = "temporary"
 PERMANENT = "permanent"
 

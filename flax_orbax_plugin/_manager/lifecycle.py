@@ -23,8 +23,6 @@ from .._base import host as _host
 from .._errors import CheckpointError
 from . import events as _events
 
-__all__ = ["Lifecycle", "leave_at_exit"]
-
 logger = logging.getLogger("flax_orbax_plugin")
 
 # Writers not closed yet: they end when the program ends.

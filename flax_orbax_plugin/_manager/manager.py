@@ -46,8 +46,6 @@ from .step_parts import StepParts, checked_expect
 from .tiers import PersistentTier
 from .zero_copy import HostMemory
 
-__all__ = ["CheckpointManager"]
-
 logger = logging.getLogger("flax_orbax_plugin")
 
 

@@ -41,24 +41,6 @@ from .save_rules import AllOf, AnyOf, SavePolicy, SaveRule
 from .tiers import tier_option as _tier_option
 from .tiers.tier_option import Tier
 
-__all__ = [
-    "CALLBACK",
-    "CALLBACK_HINTS",
-    "DEPRECATED",
-    "DIRECTORY",
-    "HINTS",
-    "IMPORT",
-    "MANAGER",
-    "ManagerOptions",
-    "SAVE_CALL",
-    "SHARED_WITH_MANAGER",
-    "WRITER_ONLY",
-    "check_callback",
-    "check_import",
-    "check_manager",
-    "warn_deprecated",
-]
-
 
 def _name(name: Any, option: str) -> str:
     if not _layout.is_safe_name(name):

@@ -27,8 +27,6 @@ from .._storage.location import Location
 from . import per_host as _per_host
 from .tiers import files as _files
 
-__all__ = ["PIECE_BYTES", "fetch", "plan"]
-
 logger = logging.getLogger("flax_orbax_plugin")
 
 PIECE_BYTES = 32 << 20  # bytes per collective broadcast

@@ -34,14 +34,6 @@ from .._storage import shared_dir as _shared_dir
 from .._storage.location import Location
 from .checkpointables import from_json, to_json
 
-__all__ = [
-    "HOST_FILE",
-    "agreed_time",
-    "host_marker",
-    "layout_digest",
-    "valid_steps",
-]
-
 logger = logging.getLogger("flax_orbax_plugin")
 
 _FORMAT = _host_copy.MARKER_FORMAT

@@ -17,8 +17,6 @@ from .._base import distributed as _distributed
 
 logger = logging.getLogger("flax_orbax_plugin")
 
-__all__ = ["Preemption"]
-
 
 def _sync_manager_available() -> bool:
     from jax._src.distributed import global_state  # private: read when called, not at import

@@ -43,8 +43,6 @@ from .checkpointables import COPY_KINDS, checkpointable_for, kind_of
 from .events import RestoreDone, measure_stored
 from .retaining import StepBook
 
-__all__ = ["Restorer"]
-
 logger = logging.getLogger("flax_orbax_plugin")
 
 

@@ -18,15 +18,6 @@ from .._storage.lock import LOCK_FILE
 
 logger = logging.getLogger("flax_orbax_plugin")
 
-__all__ = [
-    "created_by_open",
-    "no_run_to_resume",
-    "place_exists",
-    "refuse_or_clear",
-    "remove_created",
-    "unstarted",
-]
-
 
 def place_exists(directory: Any) -> bool:
     """Whether anything is stored at ``directory`` yet (before the manager opens it)."""

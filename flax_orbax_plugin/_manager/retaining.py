@@ -39,8 +39,6 @@ from .events import Events
 from .retention import KeepRule, StepFacts, sound_steps_to_delete
 from .tiers import PersistentTier
 
-__all__ = ["RetentionRunner", "StepBook", "as_metric"]
-
 logger = logging.getLogger("flax_orbax_plugin")
 WHILE_SAVING = 2  # deletes in flight on an object store while a save runs
 

@@ -16,23 +16,6 @@ from .._base.env import Option, check, found
 from .._base.keywords import refuse_without
 from .._errors import OptionError, OptionTypeError
 
-__all__ = [
-    "ALIASES",
-    "FIELDS",
-    "KeepAny",
-    "KeepBest",
-    "KeepEvery",
-    "KeepFor",
-    "KeepLast",
-    "KeepRule",
-    "Retention",
-    "StepFacts",
-    "check_keep",
-    "finite",
-    "from_aliases",
-    "steps_to_delete",
-]
-
 
 def finite(value: object) -> float | None:
     """``value`` as a finite float; None for no metric, a non-number, NaN or +-inf."""

@@ -20,26 +20,6 @@ from .._base.keywords import refuse_without
 from .._errors import OptionError, OptionTypeError
 from .preemption import Preemption
 
-__all__ = [
-    "ALIASES",
-    "AllOf",
-    "AnyOf",
-    "AtSteps",
-    "Continuous",
-    "EverySeconds",
-    "EverySteps",
-    "FIELDS",
-    "FORCED",
-    "InitialSave",
-    "Moment",
-    "OnPreemption",
-    "SavePolicy",
-    "SaveRule",
-    "SaveSchedule",
-    "check_rule",
-    "from_aliases",
-]
-
 MAX_SECONDS = 1e9  # seconds: about 31 years, below threading.TIMEOUT_MAX everywhere
 
 

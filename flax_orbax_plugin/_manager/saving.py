@@ -62,18 +62,6 @@ from .checkpointables import (
 from .events import SaveBlockingDone, SaveCommitted, SaveStarted, measure_stored
 from .retaining import RetentionRunner, StepBook
 
-__all__ = [
-    "OpenStep",
-    "Saver",
-    "StepCommit",
-    "abort_refused",
-    "abort_staged",
-    "checked_written",
-    "collect_items",
-    "start_item",
-    "wait_all",
-]
-
 _READ_FIRST = frozenset({"json", "step", "data_iterator"})  # checkpointable kinds read first
 
 logger = logging.getLogger("flax_orbax_plugin")

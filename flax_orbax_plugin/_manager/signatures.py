@@ -14,8 +14,6 @@ from collections.abc import Iterable
 from .._base.env import Option
 from .._base.keywords import doc_lines, signature
 
-__all__ = ["CALLBACK_DOC", "MANAGER_DOC", "document"]
-
 MANAGER_DOC = """A directory of training steps: save policy, retention, async saves, restore.
 
     ``CheckpointManager(directory, keep=3, every_steps=1000)``, or with the option

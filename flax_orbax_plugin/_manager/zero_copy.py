@@ -22,8 +22,6 @@ import jax.numpy as jnp
 from .._core import host_snapshot as _host_snapshot
 from .._errors import CheckpointError, OptionError, OptionTypeError
 
-__all__ = ["HostMemory", "ZeroCopyStep"]
-
 
 def _argnums(value: int | Sequence[int], name: str) -> tuple[int, ...]:
     """``value`` as a sorted tuple of distinct non-negative ints, else OptionTypeError
