@@ -122,7 +122,6 @@ def _mapping(value: Any) -> Mapping[str, Any]:
 
 
 def _object(name: str, convert: Any, annotation: str, doc: str, **more: Any) -> Option:
-    """A keyword option holding an object, None when not given, checked by ``convert``."""
     return Option(
         name, "custom", none_ok=True, convert=convert, annotation=annotation, doc=doc, **more
     )
@@ -365,10 +364,6 @@ IMPORT: tuple[Option, ...] = (  # fop.import_orbax's / fop.import_msgpack's keyw
 )
 
 
-def check_import(**options: Any) -> dict[str, Any]:  # an importer's, before it reads
-    return check(IMPORT, options)
-
-
 _CLOCK_DEFAULT = _save_rules.CLOCK.default
 _GROUPS = (
     ("retention", Retention, RETENTION_SHORTHANDS),
@@ -386,8 +381,8 @@ def warn_deprecated(what: str, instead: str) -> None:
 
 
 def _resolve_tier(given: Mapping[str, Any]) -> dict[str, Any]:
-    """``given`` with its deprecated ``persistent_<field>`` keywords (checked by those
-    names, refused without ``persistent=``) turned into ``persistent=Tier(...)``."""
+    """``given`` with its deprecated ``persistent_<field>`` keywords turned into
+    ``persistent=Tier(...)``."""
     flat = {o.name: given[o.name] for o in DEPRECATED if o.name in given}
     if not flat:
         return dict(given)
@@ -441,8 +436,8 @@ def _refuse_both(given: Mapping[str, Any]) -> None:
 
 
 def open_stall(given: Mapping[str, Any]) -> float | None:
-    """The stall timeout of the manager open's own waits, read before its region is
-    drawn; None where invalid (:func:`check_manager` refuses it then, in the region)."""
+    """The manager open's own stall timeout, read before its region is drawn; None where
+    invalid (:func:`check_manager` refuses it then)."""
     try:
         return STALL_TIMEOUT.check(given.get("stall_timeout"))
     except (OptionError, TypeError):
@@ -450,10 +445,8 @@ def open_stall(given: Mapping[str, Any]) -> float | None:
 
 
 def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
-    """The manager's keyword options ``given`` checked: unknown names refused, the flat
-    ``persistent_*`` made a Tier (warned), values checked, idle options refused.
-    Returns ``{name: value}`` of every option, ``policy`` and ``retention`` as rule
-    objects and ``persistent`` a Tier or None."""
+    """The manager's keyword options ``given`` checked (the flat ``persistent_*`` made a
+    Tier, warned); ``{name: value}`` of every option, the policies as rule objects."""
     given = _host_memory.take_old_name(given)
     refuse_unknown("CheckpointManager", given, MANAGER + DEPRECATED, hints=HINTS)
     given = _resolve_tier(given)
@@ -483,8 +476,7 @@ _GRACE = next(o.default for o in _tier_option.FIELDS if o.name == "grace_seconds
 
 
 def _compose(out: dict[str, Any]) -> None:
-    """``out``'s policy and retention as rule objects (a Lanes is both); ``clock`` the
-    SavePolicy's, else the manager's (refused when nothing uses the time)."""
+    """``out``'s policy and retention as rule objects (a Lanes is both), and its clock."""
     if isinstance(out["retention"], Lanes):
         raise OptionError(
             f"retention={out['retention']!r}: a Lanes is a save policy and its retention at "
@@ -540,8 +532,8 @@ def _rules(value: Any, *, top: bool = True) -> Any:
 
 
 def check_callback(given: Mapping[str, Any], directory: Any) -> tuple[dict, dict]:
-    """CheckpointCallback's ``directory`` and options ``given`` (its ``manager_options``
-    too) checked now; returns the callback's options and its manager's keyword options."""
+    """CheckpointCallback's ``directory`` and options ``given`` checked; returns its
+    options and its manager's keyword options."""
     refuse_unknown(
         "CheckpointCallback",
         given,
@@ -588,8 +580,7 @@ def _overrides(
     checkpointables: Mapping[str, Checkpointable] | None,
     compression: Mapping[str, str] | None,
 ) -> dict[str, Checkpointable]:
-    """The checkpointable per item name: ``checkpointables``, then ``compression``'s
-    (names and codecs checked by their options' converters already)."""
+    """The checkpointable per item name: ``checkpointables``, then ``compression``'s."""
     overrides = dict(checkpointables or {})
     for name, codec in (compression or {}).items():
         if name in overrides:
@@ -609,8 +600,8 @@ def _overrides(
 
 @dataclass(frozen=True)
 class ManagerOptions:
-    """CheckpointManager's keyword options, checked once (:meth:`build`): the options of
-    the same names, and ``location``, ``tier`` (``persistent=``) and ``overrides``."""
+    """CheckpointManager's keyword options, checked once (:meth:`build`); ``tier``:
+    ``persistent=``."""
 
     location: Location
     policy: SaveRule
@@ -632,8 +623,7 @@ class ManagerOptions:
 
     @classmethod
     def build(cls, directory: Any, given: Mapping[str, Any]) -> ManagerOptions:
-        """Checks ``given`` (:func:`check_manager`) and ``directory``; OptionError naming
-        the option, TypeError for an unknown one."""
+        """Checks ``given`` (:func:`check_manager`) and ``directory``."""
         values = check_manager(given)
         location = Location.from_path(DIRECTORY.check(directory))
         if values["persistent"] is not None and not location.is_local:  # before any store
@@ -650,16 +640,8 @@ class ManagerOptions:
                     f"or compression=; give HFShards(name=) another name"
                 )
             overrides[hf.name] = hf
-        plain = {k: values[k] for k in _PLAIN}
-        return cls(
-            location,
-            values["policy"],
-            values["retention"],
-            values["clock"],
-            values["persistent"],
-            overrides,
-            **plain,
-        )
+        same = {f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values}
+        return cls(location=location, tier=values["persistent"], overrides=overrides, **same)
 
     def check_reader(self) -> None:
         """Options that need a writer, refused with ``read_only=True``."""
@@ -672,19 +654,3 @@ class ManagerOptions:
                 "persistent= needs a writer; to read the persistent tier, open it "
                 "directly: CheckpointManager(<persistent location>, read_only=True)"
             )
-
-
-# The fields of ManagerOptions taken from the option of the same name as checked.
-_PLAIN = (
-    "async_save",
-    "supersede",
-    "read_only",
-    "handle_sigterm",
-    "incremental",
-    "reuse_host_buffers",
-    "format_version",
-    "host_memory",
-    "stall_timeout",
-    "hf_shards",
-    "on_event",
-)
