@@ -252,8 +252,8 @@ class MetricWriterEvents:
 
 
 class Events:
-    """Delivers a manager's events: to ``jax.monitoring``, then to ``hook`` (or None).
-    Called from the training, save and deletion threads; one call at a time."""
+    """Delivers a manager's events to ``jax.monitoring``, then to ``hook`` (or None);
+    from the training, save and deletion threads, one call at a time."""
 
     def __init__(self, hook: Callable[[Event], Any] | None = None):
         self.hook = hook
@@ -272,8 +272,8 @@ class Events:
         return None
 
     def refuse_in_hook(self, call: str) -> None:
-        """HookReentryError when the calling thread is in the hook: ``call`` would wait
-        for what delivering the event holds up."""
+        """HookReentryError when the calling thread is in the hook (``call`` would wait
+        for what delivering the event holds up)."""
         event = self.delivering()
         if event is None:
             return
@@ -322,7 +322,7 @@ class Events:
                     self._error.__cause__ = e
 
     def holding(self, fn: Callable[[], Any]) -> None:
-        """``fn()``; an EventHookError it raises is kept for the next :meth:`raise_error`."""
+        """``fn()``; an EventHookError it raises is kept for :meth:`raise_error`."""
         try:
             fn()
         except EventHookError as e:
@@ -341,8 +341,8 @@ class Events:
             raise kept
 
     def raise_after_save(self, step: int) -> None:
-        """Training thread, as a save of ``step`` returns: with one process
-        :meth:`raise_error`, ``saved_step`` set (with several, :meth:`agree` raises it)."""
+        """As a save of ``step`` returns, with one process: :meth:`raise_error`, its
+        ``saved_step`` set (with several, :meth:`agree` raises it)."""
         kept = self._take() if _distributed.process_count() == 1 else None
         if kept is not None:
             kept.saved_step = step
@@ -352,8 +352,6 @@ class Events:
         """Collective (in ``region``, as a barrier): raises on every process a hook error
         of this process, else of another (naming it)."""
         _distributed.agree(kind, self._take(), region=region, what=what)
-
-    # -- the events, as their callers have them
 
     def save_failed(self, step: int, directory: str, phase: str, error: BaseException) -> None:
         self.emit(SaveFailed(step, directory, phase, type(error).__name__, str(error)))
@@ -373,7 +371,7 @@ REFUSED_IN_HOOKS = ("save", "step_parts", "wait", "wait_for_save", "delete", "gc
 def refuse_from_hooks(cls: type, names: Iterable[str], *, alone_ok: Iterable[str] = ()) -> None:
     """Wraps the methods ``names`` (and ``alone_ok``: allowed with one process) of the
     manager class ``cls``: called from its on_event hook, each raises HookReentryError
-    before anything else (before a collective region is drawn)."""
+    before anything else."""
     for name in (*names, *alone_ok):
         setattr(cls, name, _guarded(getattr(cls, name), f"manager.{name}()", name in alone_ok))
 
@@ -389,7 +387,6 @@ def _guarded(method: Callable, call: str, alone_ok: bool) -> Callable:
 
 
 def _monitor(event: Event) -> None:
-    """``event`` as ``jax.monitoring`` records (names: MONITORING_NAMES)."""
     n = MONITORING_NAMES
     if isinstance(event, StepsRemoved):
         for s in event.removed:

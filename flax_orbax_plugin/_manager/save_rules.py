@@ -349,9 +349,9 @@ FORCED = "forced"  # the label of a step saved whatever the policy says
 
 
 class SaveSchedule:
-    """``policy`` (rule objects) on its ``clock``, the last save's time and blocking
-    time, the notice. ``shares_time``: the decision and its time are the primary's even
-    when the policy does not use the time; ``context()``: ``(has_steps, in_flight)``."""
+    """``policy`` (rule objects) on its ``clock``, the last save, the notice;
+    ``shares_time``: the decision is the primary's even when the policy does not use the
+    time; ``context()``: ``(has_steps, in_flight)``."""
 
     def __init__(
         self,
@@ -372,20 +372,14 @@ class SaveSchedule:
         self.preemption: Preemption | None = None  # see preemption
         self.stops = False  # handle_sigterm: the preemption step's save ends the run
 
-    @property
-    def watches_preemption(self) -> bool:
-        """Whether the policy saves on preemption (the manager installs the notice)."""
-        return self._rule.watches_preemption
-
     def watch(self, *, handle_sigterm: bool) -> None:
         """A writer's open (main thread): the preemption notice, when ``handle_sigterm``
         (its step then ends the run) or the policy saves on preemption."""
-        if handle_sigterm or self.watches_preemption:
+        if handle_sigterm or self._rule.watches_preemption:
             self.preemption = Preemption.install()
             self.stops = handle_sigterm
 
     def uninstall(self) -> None:
-        """The manager's close: the previous SIGTERM handler back (``handle_sigterm``)."""
         if self.preemption is not None:
             self.preemption.uninstall()
 
@@ -418,16 +412,13 @@ class SaveSchedule:
 
     @property
     def preempted(self) -> bool:
-        """True once SIGTERM arrived (see CheckpointManager.preempted)."""
         return self.preemption is not None and self.preemption.notified
 
     def preempted_at(self, step: int) -> bool:
-        """Whether ``step`` is to be saved before stopping; with several processes every
-        process asks for every step, in order."""
+        """Whether ``step`` is to be saved before stopping (every step, in order)."""
         return self.preemption is not None and self.preemption.reached(step)
 
     def should_save(self, step: int, t: float | None) -> bool:
-        """This process's view (see CheckpointManager.should_save)."""
         if self.stops and self.preempted_at(step):
             return True
         return self._rule.label(self._moment(step, t)) is not None
@@ -441,8 +432,7 @@ class SaveSchedule:
         region: _distributed.Region | None,
     ) -> tuple[str | None, float]:
         """``(label, now)``: the lane ``step`` is saved in (:data:`FORCED` when ``forced``)
-        or None, and the decision's time; a time-based one is the primary's, shared in
-        ``region``."""
+        or None, and the decision's time (a time-based one the primary's, shared)."""
         moment = self._moment(step, t)
         label = self._rule.label(moment)
         if forced and label is None:
