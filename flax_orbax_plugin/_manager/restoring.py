@@ -37,7 +37,6 @@ from .._like import onto_like as _onto_like
 from .._state.resume import check_items, item_mismatch, warn_unread
 from .._state.train_state import merge_state, split_state
 from .._storage.location import Location
-from . import peers as _peers
 from . import per_host as _per_host
 from .checkpointables import COPY_KINDS, checkpointable_for, kind_of
 from .events import RestoreDone, measure_stored
@@ -47,9 +46,8 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 class Restorer:
-    """Restores steps of the manager's directory as its checked ``opts`` (a
-    ``ManagerOptions``) say (``read_only``: never moves a damaged step aside);
-    ``book``: the manager's step records."""
+    """Restores steps of the manager's directory as ``opts`` (a ``ManagerOptions``) say
+    (``read_only``: never moves a damaged step aside); ``book``: its step records."""
 
     def __init__(self, opts: Any, book: StepBook):
         self._loc = opts.location
@@ -73,9 +71,8 @@ class Restorer:
         region,
         limit: int | None = None,
     ) -> Any:
-        """``step`` (None: the latest that restores), as CheckpointManager.restore, its
-        collective calls in ``region``; ``limit``: a host-memory ceiling under the
-        manager's. Emits RestoreDone."""
+        """``step`` (None: the latest that restores) as CheckpointManager.restore, in
+        ``region``; ``limit``: a host-memory ceiling under the manager's."""
         started, self._tier = time.perf_counter(), "local"
         ceiling = _host_memory.resolve(self._ceiling)  # "auto": from the memory free now
         if limit is not None:
@@ -89,7 +86,6 @@ class Restorer:
         return result
 
     def _ensure_local(self, step: int, region: _distributed.Region | None) -> bool:
-        """The tier's copy down of ``step``, noting the tier the step comes from."""
         self._tier = "local" if step in self._book.listed() else "persistent"
         return self._book.tier.ensure_local(step, region)
 
@@ -97,7 +93,6 @@ class Restorer:
         self, like: Any, step: int | None, items: Any, data_iterator: Any, changes, region, ceiling
     ) -> Any:
         tier, own = self._book.tier, self._book.per_host
-        # every item's modes, and the restore's region
         request = ReadRequest.of_step(own_copy=own, changes=changes, region=region, ceiling=ceiling)
         fn = lambda s: self._restore_step(s, like, items, data_iterator, request)
         if own:
@@ -210,7 +205,7 @@ class Restorer:
         if target in self._book.listed() and target not in mine:  # not this host's
             _removing.remove_step(self._loc, target)  # (an old map): a peer's replaces it
             self._book.removed(target)
-        done = _peers.fetch(self._loc, target, self._book.run, target in mine, region)
+        done = _per_host.fetch_from_peers(self._loc, target, self._book.run, target in mine, region)
         self._book.forget()
         return done
 
@@ -228,8 +223,7 @@ class Restorer:
         return result, [f"process {p}: {v}" for p, v in enumerate(views) if v is not None]
 
     def candidates(self, region: _distributed.Region | None) -> list[int]:
-        """Committed steps of both tiers, ascending (a step in both is read locally; the
-        persistent tier's agreed in ``region``)."""
+        """Committed steps of both tiers, ascending (the persistent tier's agreed in ``region``)."""
         steps = self._book.listed()
         tier = self._book.tier
         if tier is not None:  # None: the store cannot be listed (logged)
@@ -321,18 +315,15 @@ class Restorer:
 
     def warn_replay(self, step: int) -> None:
         """Warns once per manager when ``step`` (just restored) holds a data position that
-        a resume left out (it replays the data). A writer's whole-state restore and the
-        callback's resume call it."""
+        a resume left out (it replays the data)."""
         if self._warned_replay or "data_iterator" not in self.restored_items:
             return
         self._warned_replay = True
         warnings.warn(
-            f"step {step} of {self._loc} holds a 'data_iterator' item (the data position) "
-            f"but no data_iterator was given, so it is not restored and the run reads its "
-            f"data again from wherever the new iterator starts. Pass data_iterator=it "
-            f"(CheckpointManager.restore, CheckpointCallback.on_train_start); to start the "
-            f"data afresh on purpose, name the items to restore (restore(items=[...])) or "
-            f"on_train_start(state, reset=('data_iterator',))",
+            f"step {step} of {self._loc} holds a 'data_iterator' item but no data_iterator "
+            f"was given: the run reads its data again. Pass data_iterator=it (restore, "
+            f"on_train_start), or to start the data afresh name the items to restore "
+            f"(restore(items=[...]), on_train_start(state, reset=('data_iterator',)))",
             UserWarning,
             stacklevel=outside_stacklevel(),
         )

@@ -18,8 +18,7 @@ from ..._base import distributed as _distributed
 from ..._core.save import Staging
 from ..._errors import CheckpointError, ReplicationError
 from ..._format import steps as _steps
-from ..._format.layout import MANIFEST_FILE
-from ..per_host import HOST_FILE
+from ..._format.layout import HOST_FILE, MANIFEST_FILE
 from . import files as _files
 from .state import Places, Stopped, TierState, Yielding
 
