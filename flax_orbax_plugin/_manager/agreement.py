@@ -76,7 +76,8 @@ def check_same_options(opts: Any, region: _distributed.Region | None) -> None:
     for field, label in SHARED.items():
         values = [json.dumps(v[field], sort_keys=True) for v in views]
         if len(set(values)) > 1:
-            each = "; ".join(f"process {p}: {_short(v)}" for p, v in enumerate(values))
+            short = [v if len(v) <= 160 else v[:157] + "..." for v in values]
+            each = "; ".join(f"process {p}: {v}" for p, v in enumerate(short))
             differ.append(f"{label} differs ({each})")
     if differ:
         raise CoordinationError(
@@ -85,7 +86,3 @@ def check_same_options(opts: Any, region: _distributed.Region | None) -> None:
             + ". Every process must pass the same (each would save, delete or write "
             "steps the others do not)"
         )
-
-
-def _short(text: str, limit: int = 160) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."

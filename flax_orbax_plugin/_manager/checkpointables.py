@@ -320,21 +320,14 @@ class StepCheckpointable(JsonCheckpointable):
     def _decode(self, data: Any, like: Any) -> Any:
         if not isinstance(data, int) or isinstance(data, bool):
             raise CorruptCheckpointError(f"step: expected an integer, found {data!r}")
-        return cast_scalar_like(data, like)
-
-
-def cast_scalar_like(value: int, like: Any) -> Any:
-    """Return ``value`` as the same kind of scalar as ``like`` (int, numpy, jax)."""
-    if like is None or isinstance(like, int):
-        return int(value)
-    dtype = getattr(like, "dtype", None)
-    if isinstance(like, np.ndarray | np.generic):
-        return np.asarray(value, dtype=dtype)
-    sharding = getattr(like, "sharding", None)
-    out = jnp.asarray(value, dtype=dtype)
-    if sharding is not None:
-        out = jax.device_put(out, sharding)
-    return out
+        if like is None or isinstance(like, int):  # the kind of scalar like is
+            return int(data)
+        dtype = getattr(like, "dtype", None)
+        if isinstance(like, np.ndarray | np.generic):
+            return np.asarray(data, dtype=dtype)
+        out = jnp.asarray(data, dtype=dtype)
+        sharding = getattr(like, "sharding", None)
+        return out if sharding is None else jax.device_put(out, sharding)
 
 
 class DataIteratorCheckpointable:

@@ -78,11 +78,10 @@ def refuse_or_clear(directory: Any, mngr: Any, latest: int, overwrite: bool) -> 
         where = "" if mngr.persistent is None else f" (or its tier {mngr.persistent.remote})"
         raise CheckpointError(
             f"{directory}{where} already holds steps of a run (latest: {latest}) and "
-            f"resume=False: refusing to mix two runs. Resume it (resume=True), use a "
-            f"new directory, or pass overwrite=True to remove its steps first. A job "
-            f"restarted with the same command (preemptible, or rescheduled) should run "
-            f"with resume=True from its first start: it starts fresh while the directory "
-            f"holds no step and resumes the latest good step after every restart"
+            f"resume=False: refusing to mix two runs. Resume it (resume=True), use a new "
+            f"directory, or pass overwrite=True to remove its steps first. A job restarted "
+            f"with the same command should run with resume=True from its first start (it "
+            f"starts fresh while the directory holds no step)"
         )
     mngr.delete(*mngr.steps())  # collective: every process lists before any goes
     if mngr.persistent is not None:

@@ -637,9 +637,8 @@ class StepCommit:
             names = ", ".join(repr(n) for n in sorted(empty))
             raise CheckpointError(
                 f"step {self._step} of {self._loc}: checkpointable {names} wrote nothing into "
-                f"process {_distributed.process_index()}'s own directory; with a directory "
-                f"per host every process must write every item (write on every process, "
-                f"not only on process 0), or use a directory every host shares"
+                f"process {_distributed.process_index()}'s own directory; with a directory per "
+                f"host every process must write every item, or use a directory hosts share"
             )
 
     def _publish(self, files: dict[str, str]) -> None:
