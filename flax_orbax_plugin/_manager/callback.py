@@ -24,7 +24,6 @@ from .._state.train_state import merge_state
 from .._storage.store_errors import arguments, refusals
 from . import options as _options
 from . import resuming as _resuming
-from . import signatures as _signatures
 from .manager import CheckpointManager
 from .options import CALLBACK
 
@@ -33,7 +32,7 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 @_distributed.public(errors=refusals(arguments("directory")))  # its manager names the rest
 class CheckpointCallback:
-    # __init__'s docstring and signature: from options.CALLBACK (signatures.document)
+    # __init__'s docstring and signature: from options.CALLBACK (options.document)
 
     def __init__(self, directory: str, **options: Any):
         # Refused on some processes only: published in a region drawn for it now, the
@@ -367,4 +366,4 @@ def _step_of(state: Any, default: int | None) -> int | None:
     return checked_step(step)
 
 
-_signatures.document(CheckpointCallback, _signatures.CALLBACK_DOC, CALLBACK)
+_options.document(CheckpointCallback, _options.CALLBACK_DOC, CALLBACK)

@@ -279,12 +279,10 @@ class Events:
             return
         on = threading.current_thread().name
         raise HookReentryError(
-            f"{call} was called from the on_event hook while it handled "
-            f"{type(event).__name__} of step {event.step} (thread {on!r}): it waits for "
-            f"the save, retention or copy whose event the hook is handling, which waits "
-            f"for the hook; refused rather than hang. Note the event in the hook (e.g. "
-            f"append it to a list) and call {call} from the training loop; steps(), "
-            f"latest_step() and, with one process, restore() may be called from the hook"
+            f"{call} was called from the on_event hook while it handled {type(event).__name__} "
+            f"of step {event.step} (thread {on!r}): it would wait for the hook itself; refused "
+            f"rather than hang. Note the event in the hook and call {call} from the training "
+            f"loop (steps(), latest_step() and, with one process, restore() may be called there)"
         )
 
     def emit(self, event: Event) -> None:
@@ -363,17 +361,18 @@ class Events:
             self.emit(StepsRemoved(step, directory, tier, tuple(sorted(removed))))
 
 
-# A manager's calls that wait for its save, retention or copy threads, refused from its
-# hook; ``restore`` is allowed there with one process.
-REFUSED_IN_HOOKS = ("save", "step_parts", "wait", "wait_for_save", "delete", "gc", "close", "leave")
+class HookGuarded:
+    """A base of the manager: its calls that wait for its save, retention or copy threads
+    (``restore`` too, but with one process), called from its on_event hook, raise
+    HookReentryError before anything else; a subclass's too."""
 
+    _REFUSED = ("save", "step_parts", "wait", "wait_for_save", "delete", "gc", "close", "leave")
 
-def refuse_from_hooks(cls: type, names: Iterable[str], *, alone_ok: Iterable[str] = ()) -> None:
-    """Wraps the methods ``names`` (and ``alone_ok``: allowed with one process) of the
-    manager class ``cls``: called from its on_event hook, each raises HookReentryError
-    before anything else."""
-    for name in (*names, *alone_ok):
-        setattr(cls, name, _guarded(getattr(cls, name), f"manager.{name}()", name in alone_ok))
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in (*cls._REFUSED, "restore"):
+            alone_ok = name == "restore"
+            setattr(cls, name, _guarded(getattr(cls, name), f"manager.{name}()", alone_ok))
 
 
 def _guarded(method: Callable, call: str, alone_ok: bool) -> Callable:

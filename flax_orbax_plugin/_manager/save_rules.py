@@ -1,14 +1,17 @@
-"""Save policies as small composable objects: which steps a CheckpointManager saves.
+"""Save policies as small composable objects: which steps a CheckpointManager saves;
+the preemption notice, how a writer learns at which step the run must stop.
 
-The rules and SavePolicy are pure values (any thread). SaveSchedule: the training
-thread only; with several processes every process asks for every step, in order
-(``should_save`` or ``save`` once per step).
+The rules and SavePolicy are pure values (any thread). SaveSchedule and Preemption: the
+training thread only; with several processes every process asks for every step, in
+order, with the same step numbers (``should_save`` or ``save`` once per step).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.save_rules``.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass
@@ -18,7 +21,6 @@ from .._base import distributed as _distributed
 from .._base.env import Option, check, found
 from .._base.keywords import refuse_without
 from .._errors import OptionError, OptionTypeError
-from .preemption import Preemption
 
 MAX_SECONDS = 1e9  # seconds: about 31 years, below threading.TIMEOUT_MAX everywhere
 
@@ -345,6 +347,77 @@ class SavePolicy(SaveRule):
         return self.rule.wants(moment)
 
 
+def _sync_manager_available() -> bool:
+    from jax._src.distributed import global_state  # private: read when called, not at import
+
+    return global_state.client is not None and global_state.preemption_sync_manager is not None
+
+
+class Preemption:
+    """Whether, and at which step, this run was asked to stop (training thread only).
+
+    Create with :meth:`install` (from the main thread); :meth:`reached` is asked once
+    per step; :meth:`uninstall` restores the previous SIGTERM handler (``signal`` way).
+    """
+
+    def __init__(self, mode: str):
+        self.mode = mode  # "signal" or "jax"
+        self.notified = False  # signal: SIGTERM arrived; jax: the agreed step came
+        self._asked: int | None = None  # the step asked last, and its answer
+        self._answer = False
+        self._previous: Any = None
+        self._installed = False
+
+    @classmethod
+    def install(cls) -> Preemption:
+        """Chooses the way for this process and installs it. With several processes
+        every process calls it (each chooses the same way)."""
+        if _distributed.process_count() > 1:
+            if _sync_manager_available():
+                return cls("jax")
+            raise ValueError(
+                f"handle_sigterm=True with {_distributed.process_count()} processes needs "
+                "jax's preemption service, which is off (jax_enable_preemption_service=False "
+                "before jax.distributed.initialize): leave it on (every host then saves the "
+                "same step), or pass handle_sigterm=False and handle preemption yourself"
+            )
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError("handle_sigterm=True must be set from the main thread")
+        self = cls("signal")
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._installed = True
+        return self
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.notified = True
+
+    def reached(self, step: int) -> bool:
+        """True when ``step`` is the step to save before stopping. ``jax`` way: asks
+        jax once per new step (every process, every step, in order)."""
+        if self.mode == "signal":
+            return self.notified
+        if step == self._asked:
+            return self._answer
+        from jax.experimental import multihost_utils  # here: only a process that is asked
+
+        self._asked = step
+        self._answer = bool(multihost_utils.reached_preemption_sync_point(step))
+        if self._answer:
+            self.notified = True
+        return self._answer
+
+    def uninstall(self) -> None:
+        """Puts back the SIGTERM handler that was there before (``signal`` way).
+        Idempotent; a no-op off the main thread (the handler then stays)."""
+        if not self._installed:
+            return
+        try:
+            signal.signal(signal.SIGTERM, self._previous)
+        except ValueError:  # not on the main thread
+            return
+        self._installed = False
+
+
 FORCED = "forced"  # the label of a step saved whatever the policy says
 
 
@@ -369,7 +442,7 @@ class SaveSchedule:
         self._preemption_saved = False  # OnPreemption saves the agreed step once
         self.preemption_step: int | None = None  # the step saved for it (replicated)
         self.context = context
-        self.preemption: Preemption | None = None  # see preemption
+        self.preemption: Preemption | None = None
         self.stops = False  # handle_sigterm: the preemption step's save ends the run
 
     def watch(self, *, handle_sigterm: bool) -> None:

@@ -300,57 +300,11 @@ def _check_aliased(wanted: set[int], keys: list[tuple], inputs: set[int], out: A
     what = ", ".join(f"{path} {tuple(x.shape)} {x.dtype}" for path, x in missed[:5])
     raise CheckpointError(
         f"wrap_step: the step after a save did not write into the spare buffers it was "
-        f"given: {len(missed)} outputs in fresh memory ({what}) while spare buffers of "
-        f"their shapes went unused. jax must be able to donate on this platform, the "
-        f"outputs must keep the state's shardings, and nothing else may hold the spare "
-        f"(call the manager's saves and the wrapped step from one thread)"
+        f"given: {len(missed)} outputs in fresh memory ({what}). jax must donate on this "
+        f"platform, the outputs keep the state's shardings, and nothing else may hold the "
+        f"spare (call the manager's saves and the wrapped step from one thread)"
     )
 
 
 def _key(x: jax.Array) -> tuple:
     return (tuple(x.shape), str(x.dtype))
-
-
-class HostMemory:  # the manager's reserve and wrap_step (its _saver and _check_writable)
-    def reserve(self, like: Any) -> int:
-        """Allocates and populates (``MADV_POPULATE_WRITE``) the host buffers one save of
-        ``like`` (the state, or ShapeDtypeStructs on one device) copies into: the first
-        save costs what a steady one does. Returns the bytes allocated (0 once
-        :meth:`wrap_step` was called: saves then copy nothing). Training thread, before
-        the loop (``CheckpointCallback.on_train_start`` calls it); read-only: refused."""
-        self._check_writable()  # type: ignore[attr-defined]
-        return self._saver.reserve(like)  # type: ignore[attr-defined]
-
-    def wrap_step(
-        self,
-        fn: Callable,
-        *,
-        donate_argnums: int | Sequence[int] = 0,
-        static_argnums: int | Sequence[int] = (),
-        static_argnames: str | Sequence[str] = (),
-    ) -> ZeroCopyStep:
-        """``fn`` as a jitted step that never needs a copy of what this manager saves
-        (``_manager/zero_copy.py``): ``step = mngr.wrap_step(train_step,
-        donate_argnums=0)``, then ``state, metrics = step(state, batch)``.
-
-        From this call on, the manager's saves keep the state's CPU arrays as zero-copy
-        views (no host buffers, nothing copied in the blocking phase), and the step
-        right after a save writes its outputs into the previous save's arrays instead
-        of donating the ones being written. Call on the training thread.
-
-        Not recommended for speed: measured on CPU (1.2 GB state, a save every 10 of 60
-        steps, `benchmarks/results/train_zero_copy_0.6.md`) its loop took 1.31x the run
-        without saves against 1.26x with ``reuse_host_buffers=True``: its blocking phase
-        is shorter (23 ms against 120 ms) but every step ran slower (0.30 s against 0.27
-        s median), two states held and the spare's variant competing with the writer.
-        It saves host memory between saves against the pool; on accelerators the device
-        staging makes it moot."""
-        self._check_writable()  # type: ignore[attr-defined]
-        step = ZeroCopyStep(
-            fn,
-            donate_argnums=donate_argnums,
-            static_argnums=static_argnums,
-            static_argnames=static_argnames,
-        )
-        self._saver.hold_views(step)  # type: ignore[attr-defined]
-        return step
