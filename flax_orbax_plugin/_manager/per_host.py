@@ -66,46 +66,31 @@ def _array_leaves(items: Mapping[str, Any]):
                 yield name, path, leaf
 
 
-def layout_digest(items: Mapping[str, Any]) -> str:
-    """sha256 over every jax.Array leaf's path, shape, dtype and device -> region map
-    (informational, in the marker)."""
-    h = hashlib.sha256()
-    for name, path, leaf in _array_leaves(items):
-        regions = sorted(
-            (d.id, tuple((s.start, s.stop) for s in index))
-            for d, index in leaf.sharding.devices_indices_map(leaf.shape).items()
-        )
-        h.update(repr((name, path, leaf.shape, str(leaf.dtype), regions)).encode())
-    return h.hexdigest()
-
-
-def host_regions(items: Mapping[str, Any]) -> list[str]:
-    """Per process index, a sha256 over the regions its devices hold of every jax.Array
-    leaf (no device ids): two processes with one digest can read each other's copy."""
-    count = _distributed.process_count()
-    hashes = [hashlib.sha256() for _ in range(count)]
-    for name, path, leaf in _array_leaves(items):
-        held: list[set] = [set() for _ in range(count)]
-        for d, index in leaf.sharding.devices_indices_map(leaf.shape).items():
-            held[d.process_index].add(tuple((s.start, s.stop) for s in index))
-        for p in range(count):
-            what = (name, path, leaf.shape, str(leaf.dtype), sorted(held[p]))
-            hashes[p].update(repr(what).encode())
-    return [h.hexdigest() for h in hashes]
-
-
-def held_regions(items: Mapping[str, Any]) -> dict:
-    """The marker's ``held``: the regions this process holds of each jax.Array leaf it
-    does not hold whole, each distinct set once."""
-    me = _distributed.process_index()
+def own_marker(step: int, run: str | None, items: Mapping[str, Any]) -> bytes:
+    """This host's :data:`HOST_FILE` for ``step`` saved from ``items`` (its own shards):
+    ``layout``, a sha256 over every jax.Array leaf's path, shape, dtype and device ->
+    region map (informational); ``hosts``, per process index a sha256 over the regions its
+    devices hold (no device ids: two processes with one digest can read each other's
+    copy); ``held``, the regions this process holds of each leaf it does not hold whole,
+    each distinct set once."""
+    count, me = _distributed.process_count(), _distributed.process_index()
+    layout, hosts = hashlib.sha256(), [hashlib.sha256() for _ in range(count)]
     sets: list[list] = []
     seen: dict[tuple, int] = {}
-    out: dict[str, dict[str, int]] = {}
+    held: dict[str, dict[str, int]] = {}
     for name, path, leaf in _array_leaves(items):
-        shape = leaf.shape
+        shape, dtype = leaf.shape, str(leaf.dtype)
+        index_map = leaf.sharding.devices_indices_map(shape).items()
+        regions = sorted((d.id, tuple((s.start, s.stop) for s in index)) for d, index in index_map)
+        layout.update(repr((name, path, shape, dtype, regions)).encode())
+        per_process: list[set] = [set() for _ in range(count)]
+        for d, index in index_map:
+            per_process[d.process_index].add(tuple((s.start, s.stop) for s in index))
+        for p in range(count):
+            hosts[p].update(repr((name, path, shape, dtype, sorted(per_process[p]))).encode())
         mine = {
             tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
-            for d, index in leaf.sharding.devices_indices_map(shape).items()
+            for d, index in index_map
             if d.process_index == me
         }  # the regions of a sharding are disjoint or equal: their sizes add up
         if sum(math.prod(b - a for a, b in r) for r in mine) == math.prod(shape):
@@ -114,21 +99,16 @@ def held_regions(items: Mapping[str, Any]) -> dict:
         if key not in seen:
             seen[key] = len(sets)
             sets.append([[list(d) for d in r] for r in key])
-        out.setdefault(name, {})[path] = seen[key]
-    return {"sets": sets, "items": out}
-
-
-def own_marker(step: int, run: str | None, items: Mapping[str, Any]) -> bytes:
-    """This host's :data:`HOST_FILE` for ``step`` saved from ``items`` (its own shards)."""
-    layout, hosts = layout_digest(items), host_regions(items)
-    return host_marker(step, run, layout, hosts, held_regions(items))
+        held.setdefault(name, {})[path] = seen[key]
+    digests = [h.hexdigest() for h in hosts]
+    return host_marker(step, run, layout.hexdigest(), digests, {"sets": sets, "items": held})
 
 
 def host_marker(
     step: int, run: str | None, layout: str, hosts: list | None = None, held: dict | None = None
 ) -> bytes:
     """The bytes of this host's :data:`HOST_FILE` for ``step``; ``hosts`` and ``held``:
-    :func:`host_regions` and :func:`held_regions` (None: a copy of every region)."""
+    as :func:`own_marker` makes them (None: a copy of every region)."""
     doc = {
         "held": held,
         "format": _FORMAT,
