@@ -66,8 +66,6 @@ class CheckpointCallback:
         self.history: list[SaveResult] = []  # figures of every finished save, in order
         self.resumed_step: int | None = None  # the step restored by on_train_start
 
-    # -- the manager ------------------------------------------------------------
-
     @property
     def manager(self) -> CheckpointManager:
         """The CheckpointManager, created on first use (with the callback's ``keep``,
@@ -83,8 +81,6 @@ class CheckpointCallback:
             if self._writer is not None or self._on_event is not None:
                 self._manager.commit_log_level = logging.DEBUG  # the writer or hook reports it
         return self._manager
-
-    # -- the three hooks --------------------------------------------------------
 
     def on_train_start(
         self,
@@ -278,8 +274,6 @@ class CheckpointCallback:
         finally:
             self._manager.leave(exc)
             self._manager = None
-
-    # -- saving and reporting ----------------------------------------------------
 
     def _save(self, step: int, state: Any, *, t: float | None, ignore_policy: bool) -> bool:
         # No wait here: the manager waits for the save in flight when it starts the next.

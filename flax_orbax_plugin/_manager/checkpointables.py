@@ -247,9 +247,6 @@ class _Done:
         return self._result
 
 
-# ----------------------------------------------------------------------------- built-ins
-
-
 class PytreeCheckpointable:
     """A pytree of arrays written through the tensorstore core; ``compression`` /
     ``format_version``: this item's own (None: the request's)."""

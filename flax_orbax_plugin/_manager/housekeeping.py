@@ -135,16 +135,6 @@ def _live(loc: Location, name: str) -> bool:
     return writer is not None
 
 
-def raise_stuck(loc: Location, stuck: dict[str, str]) -> None:
-    """``gc``: a CheckpointError naming each leftover of ours it could not remove."""
-    if stuck:
-        raise CheckpointError(
-            f"gc could not remove what interrupted saves or removals left in {loc} (proven "
-            f"this library's; no step is affected): "
-            + "; ".join(f"{name}: {why}" for name, why in sorted(stuck.items()))
-        )
-
-
 def rolls_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:
     """Whether unfinished ``name`` is a ``.partial-`` holding a valid manifest whose step
     is missing (a crash between the renames of a replacement): to be finished."""

@@ -154,9 +154,8 @@ class CheckpointManager(HookGuarded):
                 self._start(opts)
 
     def _open(self, opts: _options.ManagerOptions, events: Events, region) -> dict[str, Any]:
-        """A writer's open, in ``region``, before the book is built: shared options, lock,
-        housekeeping, tier (before the saver exists: its ``busy`` says no save till then);
-        returns what the book is built with."""
+        """A writer's open, in ``region``, before the book is built (shared options, lock,
+        housekeeping, tier); returns what the book is built with."""
         _agreement.check_same_options(opts, region)  # before anything is touched
         tier, path = opts.tier, None if opts.tier is None else opts.tier.path
         own = _per_host.detect(self._loc, path, opts.incremental, opts.format_version, region)
@@ -439,7 +438,12 @@ class CheckpointManager(HookGuarded):
         ours = _distributed.is_primary() or self._book.per_host  # stuck: raised after retention
         stuck = _housekeeping.remove_unfinished(self._loc, warn=False) if ours else {}  # said
         removed = self._retainer.run_now()
-        _housekeeping.raise_stuck(self._loc, stuck)
+        if stuck:
+            raise CheckpointError(
+                f"gc could not remove what interrupted saves or removals left in {self._loc} "
+                f"(proven this library's; no step is affected): "
+                + "; ".join(f"{name}: {why}" for name, why in sorted(stuck.items()))
+            )
         return removed
 
     @_collective("manager-restore")

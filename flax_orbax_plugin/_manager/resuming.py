@@ -92,8 +92,7 @@ def refuse_or_clear(directory: Any, mngr: Any, latest: int, overwrite: bool) -> 
 
 def unstarted(directory: Any, mngr: Any, step: int, resume: bool | str, overwrite: bool) -> None:
     """The first step of a loop that never called ``on_train_start``: an earlier run's
-    steps are refused (or with ``overwrite`` emptied) as ``resume=False`` would, and
-    with ``resume`` set, since nothing was restored into this loop's state."""
+    steps are refused (or with ``overwrite`` emptied), whatever ``resume`` says."""
     latest = mngr.latest_step(include_persistent=True)
     if latest is None or mngr.restored_step is not None:  # nothing to mix, or restored
         return

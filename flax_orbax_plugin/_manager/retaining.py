@@ -313,8 +313,7 @@ class RetentionRunner:
 
     def apply(self, just_written: int | Iterable[int] | None) -> list[int]:
         """Deletion thread (or ``gc``): the primary deletes the steps the policy does not
-        keep, protecting the newest of ``just_written``; the other processes drop them
-        from their list. A failed removal is kept, logged and remembered for ``wait``."""
+        keep but the newest of ``just_written``, the others drop them from their list."""
         removed: list[int] = []
         if not self.policy.deletes_anything:
             return removed

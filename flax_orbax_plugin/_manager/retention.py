@@ -380,8 +380,6 @@ class Lanes(SaveRule, KeepRule):
                     f"{type(value).__name__} {value!r}"
                 )
 
-    # -- the save policy
-
     @property
     def uses_time(self) -> bool:  # type: ignore[override]
         keeps = [lane.keep for lane in self._lanes() if lane.keep is not None]
@@ -398,8 +396,6 @@ class Lanes(SaveRule, KeepRule):
         if self.permanent.save.wants(moment):
             return PERMANENT
         return TEMPORARY if self.temporary.save.wants(moment) else None
-
-    # -- the retention
 
     uses_lanes = True  # the facts' lanes matter: each step's, recorded in its manifest
 

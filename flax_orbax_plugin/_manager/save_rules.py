@@ -27,10 +27,8 @@ MAX_SECONDS = 1e9  # seconds: about 31 years, below threading.TIMEOUT_MAX everyw
 
 @dataclass(frozen=True)
 class Moment:
-    """What a save policy is asked about: ``step`` at ``now``; seconds ``since_save``
-    began (or the first decision); ``has_steps`` (committed or saved here); the previous
-    save ``in_flight``; ``preempted`` (the step to save before stopping);
-    ``last_blocking`` seconds of the last save (None before any)."""
+    """What a save policy is asked about: ``step`` at ``now``, seconds ``since_save``
+    began (or the first decision), the last save's blocking seconds (None before any)."""
 
     step: int
     now: float = 0.0
@@ -354,11 +352,8 @@ def _sync_manager_available() -> bool:
 
 
 class Preemption:
-    """Whether, and at which step, this run was asked to stop (training thread only).
-
-    Create with :meth:`install` (from the main thread); :meth:`reached` is asked once
-    per step; :meth:`uninstall` restores the previous SIGTERM handler (``signal`` way).
-    """
+    """Whether, and at which step, this run was asked to stop: :meth:`install` (main
+    thread), then :meth:`reached` once per step (training thread)."""
 
     def __init__(self, mode: str):
         self.mode = mode  # "signal" or "jax"
@@ -458,8 +453,7 @@ class SaveSchedule:
 
     def resume_clock(self, saved_at: Callable[[], float | None]) -> None:
         """A writer's open: with the default clock a time rule counts from the latest
-        step's save (``saved_at()``, wall time), so that a job restarted more often
-        than its interval still saves."""
+        step's save (``saved_at()``), so a job restarted often still saves."""
         if self._rule.uses_time and self.clock is time.monotonic and self._last_time is None:
             when = saved_at()
             if when is not None:

@@ -102,9 +102,8 @@ class OpenStep:
 
 
 class Saver:
-    """Saves steps into the manager's directory as its checked ``opts`` (a
-    ``ManagerOptions``) say: ``book``, the step records; ``retention``, told of each
-    commit; ``buffers``: host memory kept between saves (or None)."""
+    """Saves steps into the manager's directory as ``opts`` (a ``ManagerOptions``) say;
+    ``retention`` is told of each commit; ``buffers``: host memory kept between saves."""
 
     def __init__(
         self,
@@ -193,8 +192,6 @@ class Saver:
         )
         return True
 
-    # -- before: the slot
-
     def _step_dir(self, step: int) -> Location:
         return self._loc.child(_layout.step_dir(step))
 
@@ -236,8 +233,6 @@ class Saver:
             if hasattr(handler, "pool_sizes"):
                 sizes += handler.pool_sizes(value, request)
         return self._buffers.reserve(sizes)
-
-    # -- the save
 
     def start(
         self,
@@ -331,9 +326,8 @@ class Saver:
     def begin(
         self, step: int, local: list, region: _distributed.Region | None, budget: Any = None
     ) -> OpenStep:
-        """Opens ``step``'s staging and draws the request every item gets. Training
-        thread, in ``region``; then :meth:`save_items`, :meth:`commit` (or
-        :meth:`abort_alone`)."""
+        """Opens ``step``'s staging and its request (training thread, in ``region``);
+        then :meth:`save_items`, :meth:`commit` (or :meth:`abort_alone`)."""
         started = time.perf_counter()
         final = self._step_dir(step)
         own = self._book.per_host
@@ -387,9 +381,8 @@ class Saver:
     def save_items(
         self, opened: OpenStep, items: dict, *, budget: Any = None
     ) -> dict[str, Pending]:
-        """The blocking phase of each of ``items`` into ``opened``'s staging, each handed
-        the step's request; returns their pendings (also added to ``opened``). On an
-        error every write started is waited for, then it is raised."""
+        """The blocking phase of each of ``items`` into ``opened``'s staging; returns their
+        pendings (also added to ``opened``); on an error, every write started is waited for."""
         staging, request = opened.staging, opened.request
         if budget is not None:
             request = request.replace(host_memory_budget=budget)
@@ -434,8 +427,7 @@ class Saver:
 
     def abort_alone(self, opened: OpenStep) -> None:
         """Removes what ``opened`` staged where this process alone writes there (a shared
-        directory stays for the next open or gc); a removal that fails is a WARNING (the
-        refusal stays the error)."""
+        directory stays for the next open or gc); a failed removal is a WARNING."""
         if not (opened.staging.own or _distributed.process_count() == 1):
             return
         try:

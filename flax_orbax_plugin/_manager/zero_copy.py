@@ -150,8 +150,6 @@ class ZeroCopyStep:
         self.spare_calls = 0
         self.fresh_calls = 0
 
-    # -- told by the manager (training thread)
-
     def saved(self, items: dict[str, Any], handle: Any) -> None:
         """A save of ``items`` (``handle``) returned from its blocking phase: its CPU
         arrays are held as views until its writes are done."""
@@ -160,8 +158,6 @@ class ZeroCopyStep:
         leaves = jax.tree_util.tree_leaves(items)
         self._held = {id(x): x for x in leaves if _on_cpu(x)}
         self._held_save = handle
-
-    # -- the step
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._checked:  # the first call: what the state arguments are
