@@ -35,7 +35,6 @@ from .._format.steps import checked_step
 from .._like import onto_like as _onto_like
 from .._storage import shared_dir as _shared_dir
 from .._storage.store_errors import refusals
-from . import agreement as _agreement
 from . import checkpointables as _checkpointables
 from . import housekeeping as _housekeeping
 from . import options as _options
@@ -156,7 +155,7 @@ class CheckpointManager(HookGuarded):
     def _open(self, opts: _options.ManagerOptions, events: Events, region) -> dict[str, Any]:
         """A writer's open, in ``region``, before the book is built (shared options, lock,
         housekeeping, tier); returns what the book is built with."""
-        _agreement.check_same_options(opts, region)  # before anything is touched
+        _housekeeping.check_same_options(opts, region)  # before anything is touched
         tier, path = opts.tier, None if opts.tier is None else opts.tier.path
         own = _per_host.detect(self._loc, path, opts.incremental, opts.format_version, region)
         writer = _housekeeping.open_writer(self._loc, own=own, region=region)
