@@ -248,8 +248,7 @@ class _Done:
 
 
 class PytreeCheckpointable:
-    """A pytree of arrays written through the tensorstore core; ``compression`` /
-    ``format_version``: this item's own (None: the request's)."""
+    """A pytree of arrays through the core (its own compression, format_version or None)."""
 
     kind = "pytree"
     incremental = True  # takes request.reuse
@@ -279,8 +278,7 @@ class PytreeCheckpointable:
 
 
 class JsonCheckpointable:
-    """A small JSON value, written by the primary process only (``extras``; by every
-    process into each host's own directory)."""
+    """A small JSON value, written by the primary (by every process, per-host directories)."""
 
     kind = "json"
 
@@ -303,8 +301,7 @@ class JsonCheckpointable:
 
 
 class StepCheckpointable(JsonCheckpointable):
-    """The training step as a JSON integer, restored as the kind of ``like`` (an int, a
-    numpy/jax scalar or a ShapeDtypeStruct: its dtype and sharding)."""
+    """The training step as a JSON int, restored as the kind of ``like`` (int, numpy, jax)."""
 
     kind = "step"
 
@@ -438,8 +435,7 @@ class _TwoArgument:
 
 
 def with_requests(checkpointable: Any) -> Checkpointable:
-    """``checkpointable``, or for one of the older two-argument protocol an adapter
-    that calls it without the request (DeprecationWarning naming its class)."""
+    """``checkpointable``, or an adapter for the two-argument protocol (DeprecationWarning)."""
     if _takes_request(checkpointable.save) and _takes_request(checkpointable.restore):
         return checkpointable
     warnings.warn(

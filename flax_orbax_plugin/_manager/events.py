@@ -272,8 +272,7 @@ class Events:
         return None
 
     def refuse_in_hook(self, call: str) -> None:
-        """HookReentryError when the calling thread is in the hook (``call`` would wait
-        for what delivering the event holds up)."""
+        """HookReentryError when the calling thread is in the hook (``call`` would wait on it)."""
         event = self.delivering()
         if event is None:
             return

@@ -165,8 +165,7 @@ def roll_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:
 
 
 def remove_committed(loc: Location, steps: list[int], committed: list[int]) -> None:
-    """``CheckpointManager.delete``'s removal of ``steps``, each checked to be among
-    ``committed`` first (CheckpointNotFoundError, nothing removed)."""
+    """``CheckpointManager.delete``: ``steps`` removed, each checked among ``committed`` first."""
     missing = [step for step in steps if step not in committed]
     if missing:
         raise CheckpointNotFoundError(

@@ -183,8 +183,7 @@ class CheckpointManager(HookGuarded):
             raise
 
     def _start(self, opts: _options.ManagerOptions) -> None:
-        """A writer's open, once its collaborators are built: deletion thread, SIGTERM,
-        the policy's clock, the exit hook."""
+        """A writer's open, once built: deletion thread, SIGTERM, the policy's clock, exit hook."""
         try:
             self._retainer.start()
             self._schedule.watch(handle_sigterm=opts.handle_sigterm)  # or OnPreemption()

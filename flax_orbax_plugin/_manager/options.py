@@ -383,8 +383,7 @@ def warn_deprecated(what: str, instead: str) -> None:
 
 
 def _resolve_tier(given: Mapping[str, Any]) -> dict[str, Any]:
-    """``given`` with its deprecated ``persistent_<field>`` keywords turned into
-    ``persistent=Tier(...)``."""
+    """``given`` with its deprecated ``persistent_<field>`` keywords made ``persistent=Tier``."""
     flat = {o.name: given[o.name] for o in DEPRECATED if o.name in given}
     if not flat:
         return dict(given)
@@ -534,8 +533,7 @@ def _rules(value: Any, *, top: bool = True) -> Any:
 
 
 def check_callback(given: Mapping[str, Any], directory: Any) -> tuple[dict, dict]:
-    """CheckpointCallback's ``directory`` and options ``given`` checked; returns its
-    options and its manager's keyword options."""
+    """CheckpointCallback's ``directory`` and options checked: its options, its manager's."""
     refuse_unknown(
         "CheckpointCallback",
         given,
@@ -602,8 +600,7 @@ def _overrides(
 
 @dataclass(frozen=True)
 class ManagerOptions:
-    """CheckpointManager's keyword options, checked once (:meth:`build`); ``tier``:
-    ``persistent=``."""
+    """CheckpointManager's keyword options checked once (:meth:`build`); ``tier``: persistent=."""
 
     location: Location
     policy: SaveRule

@@ -231,8 +231,7 @@ class Restorer:
         return steps
 
     def _set_aside(self, step: int, error: Exception) -> None:
-        """Moves a step whose verified read proved damage aside (a planted foreign entry:
-        skipped, never moved)."""
+        """Moves a step whose verified read proved damage aside (never a foreign entry)."""
         logger.warning("checkpoint: skipping damaged step %d of %s: %s", step, self._loc, error)
         if isinstance(error, ForeignEntryError):
             return

@@ -65,8 +65,7 @@ def created_by_open(directory: Any) -> list[str]:
 
 
 def remove_created(directory: Any, mngr: Any, created: list[str]) -> None:
-    """Closes ``mngr`` and, when ``directory`` holds nothing but its lock file, removes
-    the lock and the empty ``created`` directories."""
+    """Closes ``mngr``; the lock and the empty ``created`` directories go if alone there."""
     mngr.close()
     if created and Location.from_path(directory).list_children() == [LOCK_FILE]:
         _ownership.remove_created(created, files=(LOCK_FILE,))

@@ -239,8 +239,7 @@ class RetentionRunner:
         self.apply(asked)
 
     def wait(self) -> None:
-        """Training thread: drains the queue, then raises CheckpointError naming the
-        steps whose removal failed (they stay listed)."""
+        """Training thread: drains the queue, then raises naming the steps whose removal failed."""
         fut = self._last
         if fut is not None:
             fut.result()

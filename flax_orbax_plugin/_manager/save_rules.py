@@ -365,8 +365,7 @@ class Preemption:
 
     @classmethod
     def install(cls) -> Preemption:
-        """Chooses the way for this process and installs it. With several processes
-        every process calls it (each chooses the same way)."""
+        """Chooses and installs this process's way (every process calls it: the same way)."""
         if _distributed.process_count() > 1:
             if _sync_manager_available():
                 return cls("jax")

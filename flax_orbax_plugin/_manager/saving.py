@@ -127,8 +127,7 @@ class Saver:
         self.starting = False  # in a save's blocking phase (see busy)
 
     def hold_views(self, step: Any) -> None:
-        """From now on saves hold CPU arrays as views and ``step`` (a ZeroCopyStep) is
-        told what each one holds. Training thread."""
+        """From now on saves hold CPU arrays as views, told to ``step`` (a ZeroCopyStep)."""
         if self._buffers is not None:
             self._buffers.clear()  # reserved before (on_train_start): not needed now
         self._buffers = None
@@ -220,8 +219,7 @@ class Saver:
         return local
 
     def reserve(self, like: Any) -> int:
-        """Sizes and populates the host buffers for one save of a state like ``like``;
-        returns the bytes allocated (0 without buffers)."""
+        """The host buffers sized and populated for one save like ``like``; bytes allocated."""
         if self._buffers is None:
             return 0
         own = self._book.per_host
