@@ -55,29 +55,29 @@ logger = logging.getLogger("flax_orbax_plugin")
 _OPEN: weakref.WeakSet = weakref.WeakSet()
 
 
-def leave_at_exit(manager: CheckpointManager) -> None:
-    """``manager`` (a writer) ends when this program ends without closing it, in the
-    library's exit hook (``_base.host``: before ``atexit``'s, after the saves still
-    running were waited for). One process: a program that ended well closes it, one
-    that raised shuts it (threads stopped, lock or lease released); several: it leaves
-    the run (the others learn at once that it left, and why)."""
-    _OPEN.add(manager)
-    _host.at_exit(_host.LEAVE, _leave_all)
-
-
 def _leave_all() -> bool:
+    """The library's exit hook (``_base.host``: before ``atexit``'s, after the saves still
+    running were waited for) for the writers not closed. One process: a program that
+    ended well closes each, one that raised shuts it (threads stopped, lock or lease
+    released); several: each leaves the run (the others learn at once that it left)."""
     error = getattr(sys, "last_value", None)  # set by now for an uncaught exception
     alone = _distributed.process_count() == 1
     failed = False
     for manager in list(_OPEN):
         try:
             if alone and error is None:
-                _say_copies_left(manager)
+                tier = manager._book.tier
+                left = [] if tier is None else sorted(tier.pending_steps())
+                if left:  # the program does not end at once: said, as for a save running
+                    where = f"the persistent tier {tier.remote}"  # type: ignore[union-attr]
+                    said = f"the program ends: copying steps {left} to {where}"
+                    print(f"flax_orbax_plugin: {said}", file=sys.stderr)
                 manager.close()
             elif alone and not manager._closed:  # saves finished or cancelled (exits.FINISH)
                 manager._shut()
             else:
-                manager.leave(error or CheckpointError(_NOT_CLOSED))
+                closed = "the program ended without closing its CheckpointManager"
+                manager.leave(error or CheckpointError(closed))
         except Exception as e:  # noqa: BLE001  (the program is ending: said, then the next)
             said = f"{type(e).__name__}: {e}"
             print(
@@ -85,19 +85,6 @@ def _leave_all() -> bool:
             )
             failed = failed or (alone and error is None)  # nobody else reads it: status 1
     return failed
-
-
-_NOT_CLOSED = "the program ended without closing its CheckpointManager"
-
-
-def _say_copies_left(manager: CheckpointManager) -> None:
-    tier = manager._book.tier
-    left = [] if tier is None else sorted(tier.pending_steps())
-    if left:  # the program does not end at once: said, as for a save still running
-        where = f"the persistent tier {tier.remote}"  # type: ignore[union-attr]
-        print(
-            f"flax_orbax_plugin: the program ends: copying steps {left} to {where}", file=sys.stderr
-        )
 
 
 def _places(bound: dict[str, Any]) -> list[Any]:
@@ -188,7 +175,8 @@ class CheckpointManager(HookGuarded):
             self._retainer.start()
             self._schedule.watch(handle_sigterm=opts.handle_sigterm)  # or OnPreemption()
             self._schedule.resume_clock(lambda: _housekeeping.saved_at(self._loc, self.steps()))
-            leave_at_exit(self)  # a program ending without close(): see there
+            _OPEN.add(self)  # a program ending without close(): _leave_all
+            _host.at_exit(_host.LEAVE, _leave_all)
         except BaseException:  # the others learn of it at once: waits for none of them
             self._shut(refused=True)  # no lock file left where there was none
             raise
