@@ -210,7 +210,9 @@ def open_tier(
     if own:
         mine = _open_view(loc, local_steps)
         views = _distributed.gather_json("per-host-open", mine, region=region)
-        local_steps = _queued(views)
+        primary = views[0]["record"]  # the steps every host holds, each of the primary's run
+        held = (s for s in views[0]["runs"] if all(v["runs"].get(s) == primary for v in views))
+        local_steps = [] if primary is None else sorted(int(s) for s in held)
     tier.open(local_steps, region=region)
     if not own:
         return None
@@ -242,14 +244,6 @@ def _open_view(loc: Location, steps: list[int]) -> dict:
         doc, _ = read_marker(loc, step)
         runs[str(step)] = None if doc is None else doc["run"]
     return {"record": record, "runs": runs}
-
-
-def _queued(views: list[dict]) -> list[int]:
-    """The local steps every host holds, each copy's marker naming the primary's run."""
-    run = views[0]["record"]
-    if run is None:
-        return []
-    return sorted(int(s) for s in views[0]["runs"] if all(v["runs"].get(s) == run for v in views))
 
 
 def claim_directory(loc: Location, run: str, steps: list[int]) -> None:
