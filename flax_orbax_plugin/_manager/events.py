@@ -363,7 +363,7 @@ class Events:
 class HookGuarded:
     """A base of the manager: its calls that wait for its save, retention or copy threads
     (``restore`` too, but with one process), called from its on_event hook, raise
-    HookReentryError before anything else; a subclass's too."""
+    HookReentryError before anything else (before a region is drawn); a subclass's too."""
 
     _REFUSED = ("save", "step_parts", "wait", "wait_for_save", "delete", "gc", "close", "leave")
 
