@@ -47,6 +47,11 @@ class KeepRule:
 
     deletes_anything = True  # without it no step is ever deleted (nothing to run)
     uses_time = False  # the facts' times matter (then they are the primary's, shared)
+    _checks: Mapping[str, Option] = {}  # field -> its declaration, checked when made
+
+    def __post_init__(self) -> None:
+        for name, option in self._checks.items():
+            object.__setattr__(self, name, option.check(getattr(self, name)))
 
     @property
     def metric_names(self) -> frozenset[str]:
@@ -79,22 +84,12 @@ def check_keep(value: Any, where: str) -> KeepRule:
     return value
 
 
-_LAST = Option("KeepLast(n)", "int", low=1)
-_EVERY = Option("KeepEvery(k)", "int", low=1)
-_BEST = Option("KeepBest(n)", "int", low=1)
-_METRIC = Option("KeepBest(metric)", "str", expected="a key of the saved extras (a str)")
-_MODE = Option("KeepBest(mode)", "choice", choices=("min", "max"))
-_AGE = Option("KeepFor(seconds)", "number", low=0, low_open=True)
-
-
 @dataclass(frozen=True)
 class KeepLast(KeepRule):
     """Keeps the ``n`` (>= 1) highest steps."""
 
     n: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "n", _LAST.check(self.n))
+    _checks = {"n": Option("KeepLast(n)", "int", low=1)}
 
     def kept(self, steps: list[int], facts: StepFacts) -> set[int]:
         return set(steps[-self.n :])
@@ -106,9 +101,7 @@ class KeepEvery(KeepRule):
 
     k: int
     deletes_anything = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "k", _EVERY.check(self.k))
+    _checks = {"k": Option("KeepEvery(k)", "int", low=1)}
 
     def kept(self, steps: list[int], facts: StepFacts) -> set[int]:
         return {s for s in steps if s % self.k == 0}
@@ -126,11 +119,11 @@ class KeepBest(KeepRule):
     n: int
     metric: str = ""
     mode: str = "min"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "n", _BEST.check(self.n))
-        object.__setattr__(self, "metric", _METRIC.check(self.metric))
-        object.__setattr__(self, "mode", _MODE.check(self.mode))
+    _checks = {
+        "n": Option("KeepBest(n)", "int", low=1),
+        "metric": Option("KeepBest(metric)", "str", expected="a key of the saved extras (a str)"),
+        "mode": Option("KeepBest(mode)", "choice", choices=("min", "max")),
+    }
 
     @property
     def metric_names(self) -> frozenset[str]:
@@ -153,9 +146,7 @@ class KeepFor(KeepRule):
 
     seconds: float
     uses_time = True
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "seconds", _AGE.check(self.seconds))
+    _checks = {"seconds": Option("KeepFor(seconds)", "number", low=0, low_open=True)}
 
     def kept(self, steps: list[int], facts: StepFacts) -> set[int]:
         now = facts.now

@@ -45,6 +45,11 @@ class SaveRule:
 
     uses_time = False  # the decision depends on the time or the save in flight
     watches_preemption = False  # the manager must learn of preemption notices
+    _checks: Mapping[str, Option] = {}  # field -> its declaration, checked when made
+
+    def __post_init__(self) -> None:
+        for name, option in self._checks.items():
+            object.__setattr__(self, name, option.check(getattr(self, name)))
 
     def wants(self, moment: Moment) -> bool:  # pragma: no cover - the protocol
         raise NotImplementedError
@@ -71,19 +76,12 @@ def check_rule(value: Any, where: str) -> SaveRule:
     return value
 
 
-_N = Option("EverySteps(n)", "int", low=1)
-_T = Option("EverySeconds(seconds)", "number", low=0, low_open=True, high=MAX_SECONDS)
-_PERCENT = Option("Continuous(max_overhead_percent)", "number", low=0, low_open=True, high=100)
-
-
 @dataclass(frozen=True)
 class EverySteps(SaveRule):
     """Saves when ``step % n == 0`` (``n`` >= 1; ``EverySteps(1)``: every step)."""
 
     n: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "n", _N.check(self.n))
+    _checks = {"n": Option("EverySteps(n)", "int", low=1)}
 
     def wants(self, moment: Moment) -> bool:
         return moment.step % self.n == 0
@@ -95,9 +93,9 @@ class EverySeconds(SaveRule):
 
     seconds: float
     uses_time = True
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "seconds", _T.check(self.seconds))
+    _checks = {
+        "seconds": Option("EverySeconds(seconds)", "number", low=0, low_open=True, high=MAX_SECONDS)
+    }
 
     def wants(self, moment: Moment) -> bool:
         return moment.since_save >= self.seconds
@@ -176,10 +174,11 @@ class Continuous(SaveRule):
 
     max_overhead_percent: float = 10.0
     uses_time = True
-
-    def __post_init__(self) -> None:
-        value = _PERCENT.check(self.max_overhead_percent)
-        object.__setattr__(self, "max_overhead_percent", value)
+    _checks = {
+        "max_overhead_percent": Option(
+            "Continuous(max_overhead_percent)", "number", low=0, low_open=True, high=100
+        )
+    }
 
     def wants(self, moment: Moment) -> bool:
         if moment.in_flight:
