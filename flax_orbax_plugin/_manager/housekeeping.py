@@ -252,7 +252,6 @@ def check_same_options(opts: Any, region: _distributed.Region | None) -> None:
     if differ:
         raise CoordinationError(
             f"{opts.location}: the processes opened this manager with different options: "
-            + ". ".join(differ)
-            + ". Every process must pass the same (each would save, delete or write "
-            "steps the others do not)"
+            f"{'. '.join(differ)}. Every process must pass the same (each would save, delete "
+            f"or write steps the others do not)"
         )

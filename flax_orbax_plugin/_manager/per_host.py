@@ -263,10 +263,9 @@ def claim_directory(loc: Location, run: str, steps: list[int]) -> None:
     foreign = [s for s in steps if (read_marker(loc, s)[0] or {}).get("run") != run]
     if foreign:
         raise CheckpointError(
-            f"{loc} holds steps {foreign[-3:]} but no run record "
-            f"({_run_record.RUN_FILE}), and their {HOST_FILE} do not name this run {run}: "
-            f"they are another run's, and mixing them would restore or delete the other's. "
-            f"Give this host a directory of its own for this run"
+            f"{loc} holds steps {foreign[-3:]} but no run record ({_run_record.RUN_FILE}), "
+            f"and their {HOST_FILE} do not name this run {run}: they are another run's (mixing "
+            f"would restore or delete them). Give this host a directory of its own for this run"
         )
     mine = _run_record.RunRecord.here(run, secrets.token_hex(8))
     loc.write_bytes(_run_record.RUN_FILE, mine.to_bytes())

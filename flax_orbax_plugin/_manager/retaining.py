@@ -280,9 +280,8 @@ class RetentionRunner:
             )
             warnings.warn(
                 f"retention ranks steps by extras[{name!r}], but the extras of step {step} "
-                f"{there}; "
-                "such a step is never ranked, and while no step holds it keep_best ranks "
-                "nothing and keeps every step (warned once)",
+                f"{there}; such a step is never ranked, and while no step holds it keep_best "
+                "ranks nothing and keeps every step (warned once)",
                 UserWarning,
                 stacklevel=outside_stacklevel(),
             )

@@ -250,10 +250,9 @@ class ZeroCopyStep:
         for value in (args[i] for i in self._donate):
             if isinstance(value, base):
                 raise TypeError(
-                    f"wrap_step: the state argument is an NNX {type(value).__name__}, "
-                    f"which nnx.jit updates in place; wrap_step takes functional steps "
-                    f"over pytrees (a Linen TrainState, tuples or dicts of arrays). Save "
-                    f"NNX state with the manager as usual (its host buffers)"
+                    f"wrap_step: the state argument is an NNX {type(value).__name__}, which "
+                    f"nnx.jit updates in place; wrap_step takes functional steps over pytrees "
+                    f"(a Linen TrainState, tuples or dicts of arrays): save NNX state as usual"
                 )
 
 
