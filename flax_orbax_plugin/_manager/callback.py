@@ -278,7 +278,15 @@ class CheckpointCallback:
     def _save(self, step: int, state: Any, *, t: float | None, ignore_policy: bool) -> bool:
         # No wait here: the manager waits for the save in flight when it starts the next.
         self._finish_inflight(block=False)
-        self._check_state_step(step, state)
+        stepped = _step_of(state, None)
+        if stepped is not None and stepped != step and not self._warned_step:
+            self._warned_step = True
+            logger.warning(
+                "checkpoint: saving step %d but state.step is %d (a 0-based loop counter?); "
+                "the step number is the directory name restore resumes from",
+                step,
+                stepped,
+            )
         extras_fn = self._extras_fn
         try:
             saved = self.manager.save(
@@ -305,17 +313,6 @@ class CheckpointCallback:
             self._finish(previous, handle)
         if not self.async_save:
             self._finish_inflight(block=True)
-
-    def _check_state_step(self, step: int, state: Any) -> None:
-        saved = _step_of(state, None)
-        if saved is not None and saved != step and not self._warned_step:
-            self._warned_step = True
-            logger.warning(
-                "checkpoint: saving step %d but state.step is %d (a 0-based loop counter?); "
-                "the step number is the directory name restore resumes from",
-                step,
-                saved,
-            )
 
     def _finish_inflight(self, *, block: bool) -> None:
         """Reports the save in flight once committed (``block`` False: not if it runs); a

@@ -23,9 +23,9 @@ from .._core import host_snapshot as _host_snapshot
 from .._errors import CheckpointError, OptionError, OptionTypeError
 
 
-def _argnums(value: int | Sequence[int], name: str) -> tuple[int, ...]:
-    """``value`` as a sorted tuple of distinct non-negative ints, else OptionTypeError
-    (a bool too) or OptionError (a negative position)."""
+def _argnums(value: int | Sequence[int], name: str, fn: Callable) -> tuple[int, ...]:
+    """``value`` as a sorted tuple of distinct non-negative ints, positions ``fn`` takes,
+    else OptionTypeError (a bool too) or OptionError (a negative or missing position)."""
     found = f"found {value!r:.60} ({type(value).__name__})"
     items = (value,) if isinstance(value, int) or hasattr(type(value), "__index__") else value
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence | set | frozenset):
@@ -38,6 +38,15 @@ def _argnums(value: int | Sequence[int], name: str) -> tuple[int, ...]:
         raise OptionTypeError(f"wrap_step: {name} must be an int or ints, {found}") from None
     if any(v < 0 for v in out):
         raise OptionError(f"wrap_step: {name} must be non-negative positions, found {value!r}")
+    params = _parameters(fn)
+    if params is None or not out or any(p.kind == p.VAR_POSITIONAL for p in params):
+        return out  # no signature to read, or *args: the call says
+    count = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    if max(out) >= count:
+        raise OptionError(
+            f"wrap_step: {name}={out} names argument {max(out)}, but "
+            f"{getattr(fn, '__name__', fn)!r} takes {count} positional argument(s)"
+        )
     return out
 
 
@@ -76,20 +85,6 @@ def _parameters(fn: Callable) -> list[inspect.Parameter] | None:
         return None
 
 
-def _check_positions(fn: Callable, positions: tuple[int, ...], name: str) -> None:
-    """OptionError when ``fn``'s signature takes fewer positional arguments than
-    ``positions`` name (none to read, or ``*args``: the call says)."""
-    params = _parameters(fn)
-    if params is None or not positions or any(p.kind == p.VAR_POSITIONAL for p in params):
-        return
-    count = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
-    if max(positions) >= count:
-        raise OptionError(
-            f"wrap_step: {name}={positions} names argument {max(positions)}, but "
-            f"{getattr(fn, '__name__', fn)!r} takes {count} positional argument(s)"
-        )
-
-
 def _on_cpu(x: Any) -> bool:
     return isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set)
 
@@ -121,12 +116,10 @@ class ZeroCopyStep:
         if not callable(fn):
             raise TypeError(f"wrap_step: expected the training step function, found {fn!r}")
         self._fn = fn
-        self._donate = _argnums(donate_argnums, "donate_argnums")
+        self._donate = _argnums(donate_argnums, "donate_argnums", fn)
         if not self._donate:
             raise OptionError("wrap_step: donate_argnums must name the state argument(s)")
-        _check_positions(fn, self._donate, "donate_argnums")
-        self._static = _argnums(static_argnums, "static_argnums")
-        _check_positions(fn, self._static, "static_argnums")
+        self._static = _argnums(static_argnums, "static_argnums", fn)
         if set(self._static) & set(self._donate):
             raise OptionError(
                 f"wrap_step: an argument cannot be both static and donated "
