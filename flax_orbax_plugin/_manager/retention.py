@@ -16,7 +16,7 @@ from typing import Any
 from .._base.env import Option, check, found
 from .._base.keywords import refuse_without
 from .._errors import OptionError, OptionTypeError
-from .save_rules import Moment, SaveRule, check_rule
+from .save_rules import Moment, SaveRule, check_rule, flattened
 
 
 def finite(value: object) -> float | None:
@@ -164,13 +164,8 @@ class KeepAny(KeepRule):
     rules: tuple[KeepRule, ...]
 
     def __init__(self, *rules: Any):
-        if not rules:
-            raise OptionTypeError("KeepAny() needs at least one retention rule, found none")
-        out: list[KeepRule] = []
-        for i, r in enumerate(rules):
-            r = check_keep(r, f"KeepAny(...) argument {i}")
-            out.extend(r.rules if type(r) is KeepAny else (r,))
-        object.__setattr__(self, "rules", tuple(out))
+        parts = flattened(KeepAny, rules, check_keep, "retention rule", "rules")
+        object.__setattr__(self, "rules", parts)
 
     @property
     def deletes_anything(self) -> bool:  # type: ignore[override]

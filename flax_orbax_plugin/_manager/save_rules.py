@@ -189,13 +189,15 @@ class Continuous(SaveRule):
         return moment.last_blocking <= budget
 
 
-def _parts(cls: type, policies: tuple[Any, ...]) -> tuple[SaveRule, ...]:
-    if not policies:
-        raise OptionTypeError(f"{cls.__name__}() needs at least one save policy, found none")
-    out: list[SaveRule] = []
-    for i, p in enumerate(policies):
-        p = check_rule(p, f"{cls.__name__}(...) argument {i}")
-        out.extend(p.policies if type(p) is cls else (p,))  # a | b | c: one AnyOf
+def flattened(cls: type, parts: tuple[Any, ...], check: Any, what: str, attr: str) -> tuple:
+    """``cls``'s ``parts``, each checked (``check``), nested ``cls`` (its ``attr``)
+    flattened: ``a | b | c`` is one AnyOf (or KeepAny)."""
+    if not parts:
+        raise OptionTypeError(f"{cls.__name__}() needs at least one {what}, found none")
+    out: list = []
+    for i, p in enumerate(parts):
+        p = check(p, f"{cls.__name__}(...) argument {i}")
+        out.extend(getattr(p, attr) if type(p) is cls else (p,))
     return tuple(out)
 
 
@@ -206,7 +208,8 @@ class _Combined(SaveRule):
     policies: tuple[SaveRule, ...]
 
     def __init__(self, *policies: Any):
-        object.__setattr__(self, "policies", _parts(type(self), policies))
+        parts = flattened(type(self), policies, check_rule, "save policy", "policies")
+        object.__setattr__(self, "policies", parts)
 
     @property
     def uses_time(self) -> bool:  # type: ignore[override]
