@@ -54,9 +54,17 @@ from ._manager.events import (
     StepReplicated,
     StepsRemoved,
 )
-from ._manager.lanes import Lane, Lanes
 from ._manager.manager import CheckpointManager
-from ._manager.retention import KeepAny, KeepBest, KeepEvery, KeepFor, KeepLast, Retention
+from ._manager.retention import (
+    KeepAny,
+    KeepBest,
+    KeepEvery,
+    KeepFor,
+    KeepLast,
+    Lane,
+    Lanes,
+    Retention,
+)
 from ._manager.save_rules import (
     AllOf,
     AnyOf,

@@ -63,7 +63,7 @@ ALLOWED_STATE: dict[tuple[str, str], str] = {
         "the library's steps at interpreter exit (finish saves, leave runs, announce the "
         "end), each registered once at first need"
     ),
-    (_P + "_manager.lifecycle", "_OPEN"): (
+    (_P + "_manager.manager", "_OPEN"): (
         "the process's writers of several processes not closed: they leave at exit"
     ),
     (_P + "_zarr.chunk_files", "_read_total"): _TEST_COUNTER,

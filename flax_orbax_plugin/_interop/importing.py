@@ -24,6 +24,7 @@ import numpy as np
 from .._base import host_memory as _host_memory
 from .._base import shown as _shown
 from .._base.distributed import public
+from .._base.env import check
 from .._base.shown import outside_stacklevel
 from .._core import ownership as _ownership
 from .._errors import (
@@ -429,7 +430,7 @@ def import_checkpoint(
 
 def _check(src: Any, out_dir: Any, options: dict[str, Any]) -> None:
     """An importer's front, before it reads: ``options`` checked, ``out_dir`` not in ``src``."""
-    _options.check_import(**options)
+    check(_options.IMPORT, options)
     refuse_inside_source(src, out_dir)
 
 

@@ -24,18 +24,15 @@ from .._state.train_state import merge_state
 from .._storage.store_errors import arguments, refusals
 from . import options as _options
 from . import resuming as _resuming
-from . import signatures as _signatures
 from .manager import CheckpointManager
 from .options import CALLBACK
 
 logger = logging.getLogger("flax_orbax_plugin")
 
-__all__ = ["CheckpointCallback"]
-
 
 @_distributed.public(errors=refusals(arguments("directory")))  # its manager names the rest
 class CheckpointCallback:
-    # __init__'s docstring and signature: from options.CALLBACK (signatures.document)
+    # __init__'s docstring and signature: from options.CALLBACK (options.document)
 
     def __init__(self, directory: str, **options: Any):
         # Refused on some processes only: published in a region drawn for it now, the
@@ -69,8 +66,6 @@ class CheckpointCallback:
         self.history: list[SaveResult] = []  # figures of every finished save, in order
         self.resumed_step: int | None = None  # the step restored by on_train_start
 
-    # -- the manager ------------------------------------------------------------
-
     @property
     def manager(self) -> CheckpointManager:
         """The CheckpointManager, created on first use (with the callback's ``keep``,
@@ -86,8 +81,6 @@ class CheckpointCallback:
             if self._writer is not None or self._on_event is not None:
                 self._manager.commit_log_level = logging.DEBUG  # the writer or hook reports it
         return self._manager
-
-    # -- the three hooks --------------------------------------------------------
 
     def on_train_start(
         self,
@@ -282,12 +275,18 @@ class CheckpointCallback:
             self._manager.leave(exc)
             self._manager = None
 
-    # -- saving and reporting ----------------------------------------------------
-
     def _save(self, step: int, state: Any, *, t: float | None, ignore_policy: bool) -> bool:
         # No wait here: the manager waits for the save in flight when it starts the next.
         self._finish_inflight(block=False)
-        self._check_state_step(step, state)
+        stepped = _step_of(state, None)
+        if stepped is not None and stepped != step and not self._warned_step:
+            self._warned_step = True
+            logger.warning(
+                "checkpoint: saving step %d but state.step is %d (a 0-based loop counter?); "
+                "the step number is the directory name restore resumes from",
+                step,
+                stepped,
+            )
         extras_fn = self._extras_fn
         try:
             saved = self.manager.save(
@@ -314,17 +313,6 @@ class CheckpointCallback:
             self._finish(previous, handle)
         if not self.async_save:
             self._finish_inflight(block=True)
-
-    def _check_state_step(self, step: int, state: Any) -> None:
-        saved = _step_of(state, None)
-        if saved is not None and saved != step and not self._warned_step:
-            self._warned_step = True
-            logger.warning(
-                "checkpoint: saving step %d but state.step is %d (a 0-based loop counter?); "
-                "the step number is the directory name restore resumes from",
-                step,
-                saved,
-            )
 
     def _finish_inflight(self, *, block: bool) -> None:
         """Reports the save in flight once committed (``block`` False: not if it runs); a
@@ -369,4 +357,4 @@ def _step_of(state: Any, default: int | None) -> int | None:
     return checked_step(step)
 
 
-_signatures.document(CheckpointCallback, _signatures.CALLBACK_DOC, CALLBACK)
+_options.document(CheckpointCallback, _options.CALLBACK_DOC, CALLBACK)

@@ -34,23 +34,6 @@ from .._state.iterators import iterator_state, set_iterator_state
 from .._storage import local_files as _local_files
 from .._storage.location import Location
 
-__all__ = [
-    "BUILTIN_CHECKPOINTABLES",
-    "Checkpointable",
-    "DataIteratorCheckpointable",
-    "JsonCheckpointable",
-    "Pending",
-    "PytreeCheckpointable",
-    "ReadRequest",
-    "SaveRequest",
-    "StepCheckpointable",
-    "Written",
-    "checkpointable_for",
-    "kind_of",
-    "position_across_counts",
-    "position_record",
-]
-
 
 def to_json(value: Any, where: str, depth: int = 0) -> Any:
     """``value`` as JSON data (bytes as ``{"__bytes__": b64}``, NaN and infinities as
@@ -145,12 +128,6 @@ def write_json(directory: Location, name: str, data: bytes) -> Written:
     return Written(0, {name: _layout.sha256(data)})
 
 
-def position_record(value: Any, state: Any) -> dict[str, Any]:
-    """The global position of ``value`` (where it declares one), for its iterator file."""
-    position = _global.global_position(value, state)
-    return {} if position is None else {_global.GLOBAL_POSITION_KEY: position}
-
-
 def saved_position(data: Any, where: str) -> int | None:
     """The global position recorded in a process's iterator file (None: none)."""
     if not isinstance(data, dict) or _global.GLOBAL_POSITION_KEY not in data:
@@ -209,6 +186,7 @@ _SAVE = SaveRequest()  # what a built-in called without a request does
 _READ = ReadRequest()
 
 JSON_FILE = _layout.JSON_VALUE_FILE
+
 # Kinds of an item that is a copy of another (fop.HFShards): read only when named.
 COPY_KINDS = ("hf_safetensors",)
 
@@ -269,16 +247,8 @@ class _Done:
         return self._result
 
 
-# ----------------------------------------------------------------------------- built-ins
-
-
 class PytreeCheckpointable:
-    """A pytree of arrays written through the tensorstore core (``fop.save_async``).
-
-    ``restore``'s ``like``: arrays or ShapeDtypeStructs (with ``.sharding`` to restore
-    onto it), or None for numpy on the host. ``compression`` / ``format_version``: this
-    item's own (None: the request's).
-    """
+    """A pytree of arrays through the core (its own compression, format_version or None)."""
 
     kind = "pytree"
     incremental = True  # takes request.reuse
@@ -290,15 +260,13 @@ class PytreeCheckpointable:
         self.format_version = format_version
 
     def save(self, directory: Location, value: Any, request: SaveRequest = _SAVE) -> Pending:
-        """The snapshot now, the write when waited on, as ``request`` says (this item's
-        compression and format version, where it has them, replace the request's)."""
+        """The snapshot now, the write when waited on."""
         own: dict[str, Any] = {}
         if self.compression is not None:
             own["compression"] = self.compression
         if self.format_version is not None:
             own["format_version"] = self.format_version
         snap = _save.snapshot(value, request.replace(**own) if own else request)
-        # the snapshot: the manager waits for its data under a budget (write_first)
         return _Done(lambda: snap.write(directory, durable=False), snap.digest, snap)
 
     def pool_sizes(self, like: Any, request: SaveRequest = _SAVE) -> list[int]:
@@ -306,13 +274,11 @@ class PytreeCheckpointable:
         return _pool_sizes.pool_sizes(like, request)
 
     def restore(self, directory: Location, like: Any, request: ReadRequest = _READ) -> Any:
-        """The core's restore as ``request`` says (``own_copy``: no collective)."""
         return _restore.restore_with(directory, like, request)
 
 
 class JsonCheckpointable:
-    """A small JSON value, written by the primary process only (``extras``; by every
-    process into each host's own directory)."""
+    """A small JSON value, written by the primary (by every process, per-host directories)."""
 
     kind = "json"
 
@@ -335,8 +301,7 @@ class JsonCheckpointable:
 
 
 class StepCheckpointable(JsonCheckpointable):
-    """The training step as a JSON integer, restored as the kind of ``like`` (an int, a
-    numpy/jax scalar or a ShapeDtypeStruct: its dtype and sharding)."""
+    """The training step as a JSON int, restored as the kind of ``like`` (int, numpy, jax)."""
 
     kind = "step"
 
@@ -349,40 +314,30 @@ class StepCheckpointable(JsonCheckpointable):
     def _decode(self, data: Any, like: Any) -> Any:
         if not isinstance(data, int) or isinstance(data, bool):
             raise CorruptCheckpointError(f"step: expected an integer, found {data!r}")
-        return cast_scalar_like(data, like)
-
-
-def cast_scalar_like(value: int, like: Any) -> Any:
-    """Return ``value`` as the same kind of scalar as ``like`` (int, numpy, jax)."""
-    if like is None or isinstance(like, int):
-        return int(value)
-    dtype = getattr(like, "dtype", None)
-    if isinstance(like, np.ndarray | np.generic):
-        return np.asarray(value, dtype=dtype)
-    sharding = getattr(like, "sharding", None)
-    out = jnp.asarray(value, dtype=dtype)
-    if sharding is not None:
-        out = jax.device_put(out, sharding)
-    return out
+        if like is None or isinstance(like, int):  # the kind of scalar like is
+            return int(data)
+        dtype = getattr(like, "dtype", None)
+        if isinstance(like, np.ndarray | np.generic):
+            return np.asarray(data, dtype=dtype)
+        out = jnp.asarray(data, dtype=dtype)
+        sharding = getattr(like, "sharding", None)
+        return out if sharding is None else jax.device_put(out, sharding)
 
 
 class DataIteratorCheckpointable:
-    """The position of a data iterator, one JSON file per process: ``save`` takes
-    ``get_state()`` (or ``state_dict()``) on the caller's thread; ``restore`` sets it
-    on ``like`` and returns it (``like=None``: this process's decoded state).
-    """
+    """The position of a data iterator, one JSON file per process; ``restore`` sets it
+    on ``like`` and returns it (``like=None``: this process's decoded state)."""
 
     kind = "data_iterator"
-
-    @staticmethod
-    def filename(process_index: int) -> str:
-        return _layout.iterator_state_file(process_index)
 
     def save(self, directory: Location, value: Any, request: SaveRequest = _SAVE) -> Pending:
         raw = iterator_state(value)
         state = to_json(raw, "data_iterator")
-        name = self.filename(jax.process_index())
-        record = {"state": state, **position_record(value, raw)}
+        name = _layout.iterator_state_file(jax.process_index())
+        record = {"state": state}
+        position = _global.global_position(value, raw)  # where it declares one
+        if position is not None:
+            record[_global.GLOBAL_POSITION_KEY] = position
         data = encode_json(record, f"{directory}/{name}")
         return _Done(functools.partial(write_json, directory, name, data))
 
@@ -392,12 +347,11 @@ class DataIteratorCheckpointable:
             # another process count: only a global position carries over (like=None:
             # process 0's state, the same on every process)
             read = functools.partial(self._read, directory)
-            saved, count = manifest.process_count, jax.process_count()
             at = position_across_counts(
                 directory,
                 like,
-                saved=saved,
-                restoring=count,
+                saved=manifest.process_count,
+                restoring=jax.process_count(),
                 process=jax.process_index(),
                 read=read,
             )
@@ -412,7 +366,7 @@ class DataIteratorCheckpointable:
         return like
 
     def _read(self, directory: Location, process_index: int) -> dict[str, Any]:
-        name = self.filename(process_index)
+        name = _layout.iterator_state_file(process_index)
         data = _layout.read_item_json(directory, name)
         if not isinstance(data, dict) or "state" not in data:
             raise CorruptCheckpointError(f"{directory}/{name}: expected an object with 'state'")
@@ -442,16 +396,14 @@ def check_item_name(name: Any) -> str:
 
 
 def kind_of(checkpointable: Any) -> str:
-    """The kind a step's manifest records for ``checkpointable``'s item, and that a
-    restore compares: its ``kind`` (``"custom"`` for a class without one)."""
+    """The kind a step's manifest records for ``checkpointable`` (``"custom"``: none)."""
     return getattr(checkpointable, "kind", "custom")
 
 
 def checkpointable_for(
     name: str, overrides: Mapping[str, Checkpointable] | None = None
 ) -> Checkpointable:
-    """The checkpointable of item ``name``: an override (adapted: :func:`with_requests`),
-    a built-in, or a pytree."""
+    """The checkpointable of item ``name``: an override, a built-in, or a pytree."""
     if overrides and name in overrides:
         return with_requests(overrides[name])
     return BUILTIN_CHECKPOINTABLES.get(name, _DEFAULT)
@@ -483,8 +435,7 @@ class _TwoArgument:
 
 
 def with_requests(checkpointable: Any) -> Checkpointable:
-    """``checkpointable``, or for one of the older two-argument protocol an adapter
-    that calls it without the request (DeprecationWarning naming its class)."""
+    """``checkpointable``, or an adapter for the two-argument protocol (DeprecationWarning)."""
     if _takes_request(checkpointable.save) and _takes_request(checkpointable.restore):
         return checkpointable
     warnings.warn(

@@ -23,25 +23,6 @@ from .._errors import EventHookError, HookReentryError
 from .._storage.local_files import walk_entries
 from .._storage.location import Location
 
-__all__ = [
-    "Event",
-    "EventHookError",
-    "Events",
-    "HookReentryError",
-    "MONITORING_NAMES",
-    "MetricWriterEvents",
-    "RestoreDone",
-    "SaveBlockingDone",
-    "SaveCommitted",
-    "SaveFailed",
-    "SaveStarted",
-    "StepReplicated",
-    "StepsRemoved",
-    "measure_stored",
-    "refuse_from_hooks",
-    "stored_size",
-]
-
 
 @dataclasses.dataclass(frozen=True)
 class Event:
@@ -271,8 +252,8 @@ class MetricWriterEvents:
 
 
 class Events:
-    """Delivers a manager's events: to ``jax.monitoring``, then to ``hook`` (or None).
-    Called from the training, save and deletion threads; one call at a time."""
+    """Delivers a manager's events to ``jax.monitoring``, then to ``hook`` (or None);
+    from the training, save and deletion threads, one call at a time."""
 
     def __init__(self, hook: Callable[[Event], Any] | None = None):
         self.hook = hook
@@ -291,19 +272,16 @@ class Events:
         return None
 
     def refuse_in_hook(self, call: str) -> None:
-        """HookReentryError when the calling thread is in the hook: ``call`` would wait
-        for what delivering the event holds up."""
+        """HookReentryError when the calling thread is in the hook (``call`` would wait on it)."""
         event = self.delivering()
         if event is None:
             return
         on = threading.current_thread().name
         raise HookReentryError(
-            f"{call} was called from the on_event hook while it handled "
-            f"{type(event).__name__} of step {event.step} (thread {on!r}): it waits for "
-            f"the save, retention or copy whose event the hook is handling, which waits "
-            f"for the hook; refused rather than hang. Note the event in the hook (e.g. "
-            f"append it to a list) and call {call} from the training loop; steps(), "
-            f"latest_step() and, with one process, restore() may be called from the hook"
+            f"{call} was called from the on_event hook while it handled {type(event).__name__} "
+            f"of step {event.step} (thread {on!r}): it would wait for the hook itself; refused "
+            f"rather than hang. Note the event in the hook and call {call} from the training "
+            f"loop (steps(), latest_step() and, with one process, restore() may be called there)"
         )
 
     def emit(self, event: Event) -> None:
@@ -341,7 +319,7 @@ class Events:
                     self._error.__cause__ = e
 
     def holding(self, fn: Callable[[], Any]) -> None:
-        """``fn()``; an EventHookError it raises is kept for the next :meth:`raise_error`."""
+        """``fn()``; an EventHookError it raises is kept for :meth:`raise_error`."""
         try:
             fn()
         except EventHookError as e:
@@ -360,8 +338,8 @@ class Events:
             raise kept
 
     def raise_after_save(self, step: int) -> None:
-        """Training thread, as a save of ``step`` returns: with one process
-        :meth:`raise_error`, ``saved_step`` set (with several, :meth:`agree` raises it)."""
+        """As a save of ``step`` returns, with one process: :meth:`raise_error`, its
+        ``saved_step`` set (with several, :meth:`agree` raises it)."""
         kept = self._take() if _distributed.process_count() == 1 else None
         if kept is not None:
             kept.saved_step = step
@@ -371,8 +349,6 @@ class Events:
         """Collective (in ``region``, as a barrier): raises on every process a hook error
         of this process, else of another (naming it)."""
         region.agree(kind, self._take(), what=what)
-
-    # -- the events, as their callers have them
 
     def save_failed(self, step: int, directory: str, phase: str, error: BaseException) -> None:
         self.emit(SaveFailed(step, directory, phase, type(error).__name__, str(error)))
@@ -384,17 +360,18 @@ class Events:
             self.emit(StepsRemoved(step, directory, tier, tuple(sorted(removed))))
 
 
-# A manager's calls that wait for its save, retention or copy threads, refused from its
-# hook; ``restore`` is allowed there with one process.
-REFUSED_IN_HOOKS = ("save", "step_parts", "wait", "wait_for_save", "delete", "gc", "close", "leave")
+class HookGuarded:
+    """A base of the manager: its calls that wait for its save, retention or copy threads
+    (``restore`` too, but with one process), called from its on_event hook, raise
+    HookReentryError before anything else (before a region is drawn); a subclass's too."""
 
+    _REFUSED = ("save", "step_parts", "wait", "wait_for_save", "delete", "gc", "close", "leave")
 
-def refuse_from_hooks(cls: type, names: Iterable[str], *, alone_ok: Iterable[str] = ()) -> None:
-    """Wraps the methods ``names`` (and ``alone_ok``: allowed with one process) of the
-    manager class ``cls``: called from its on_event hook, each raises HookReentryError
-    before anything else (before a collective region is drawn)."""
-    for name in (*names, *alone_ok):
-        setattr(cls, name, _guarded(getattr(cls, name), f"manager.{name}()", name in alone_ok))
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in (*cls._REFUSED, "restore"):
+            alone_ok = name == "restore"
+            setattr(cls, name, _guarded(getattr(cls, name), f"manager.{name}()", alone_ok))
 
 
 def _guarded(method: Callable, call: str, alone_ok: bool) -> Callable:
@@ -408,7 +385,6 @@ def _guarded(method: Callable, call: str, alone_ok: bool) -> Callable:
 
 
 def _monitor(event: Event) -> None:
-    """``event`` as ``jax.monitoring`` records (names: MONITORING_NAMES)."""
     n = MONITORING_NAMES
     if isinstance(event, StepsRemoved):
         for s in event.removed:

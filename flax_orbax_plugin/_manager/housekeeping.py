@@ -1,36 +1,32 @@
-"""Housekeeping of a directory of steps: what a manager checks and clears at open.
+"""Housekeeping of a directory of steps: what a manager checks and clears at open, and
+the options every process must open a writer with (compared there, one collective round).
 
-Functions of a Location; called on the training thread (at open, in ``gc`` and ``delete``).
+Functions; called on the training thread (at open, in ``gc`` and ``delete``).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.housekeeping``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import json
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from .._base import distributed as _distributed
 from .._core import ownership as _ownership
 from .._core import removing as _removing
 from .._core import writer_liveness as _liveness
-from .._errors import CheckpointError, CheckpointNotFoundError
+from .._errors import CheckpointError, CheckpointNotFoundError, CoordinationError
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import MANIFEST_FILE
 from .._storage import lease as _lease
 from .._storage.location import Location
 from .._storage.lock import DirectoryLock
-
-__all__ = [
-    "open_writer",
-    "refuse_step_directory",
-    "raise_stuck",
-    "remove_unfinished",
-    "roll_forward",
-    "rolls_forward",
-]
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -142,16 +138,6 @@ def _live(loc: Location, name: str) -> bool:
     return writer is not None
 
 
-def raise_stuck(loc: Location, stuck: dict[str, str]) -> None:
-    """``gc``: a CheckpointError naming each leftover of ours it could not remove."""
-    if stuck:
-        raise CheckpointError(
-            f"gc could not remove what interrupted saves or removals left in {loc} (proven "
-            f"this library's; no step is affected): "
-            + "; ".join(f"{name}: {why}" for name, why in sorted(stuck.items()))
-        )
-
-
 def rolls_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:
     """Whether unfinished ``name`` is a ``.partial-`` holding a valid manifest whose step
     is missing (a crash between the renames of a replacement): to be finished."""
@@ -177,8 +163,7 @@ def roll_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:
 
 
 def remove_committed(loc: Location, steps: list[int], committed: list[int]) -> None:
-    """``CheckpointManager.delete``'s removal of ``steps``, each checked to be among
-    ``committed`` first (CheckpointNotFoundError, nothing removed)."""
+    """``CheckpointManager.delete``: ``steps`` removed, each checked among ``committed`` first."""
     missing = [step for step in steps if step not in committed]
     if missing:
         raise CheckpointNotFoundError(
@@ -197,3 +182,74 @@ def saved_at(loc: Location, steps: list[int]) -> float | None:
         return _layout.read_manifest(_steps.step_location(loc, steps[-1])).time
     except CheckpointError:
         return None
+
+
+# ManagerOptions field -> the public name a user sees in the error.
+SHARED = {
+    "policy": "the save policy (every_steps=, every_seconds=, policy=, ...)",
+    "retention": "the retention (keep=, keep_every=, keep_best=, retention=, ...)",
+    "tier": "persistent=",
+    "overrides": "checkpointables= / compression=",
+    "supersede": "supersede=",
+    "handle_sigterm": "handle_sigterm=",
+    "incremental": "incremental=",
+    "format_version": "format_version=",
+    "stall_timeout": "stall_timeout=",
+    "hf_shards": "hf_shards=",
+}
+
+
+def _describe(value: Any) -> Any:
+    """``value`` as JSON equal on two processes exactly when the option is (objects by
+    type and public plain attributes, functions by name, a clock left out)."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {  # a clock is each host's own (the primary decides a time policy)
+            f.name: _describe(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if f.name != "clock"
+        }
+        return {"type": type(value).__qualname__, **fields}
+    if isinstance(value, Mapping):
+        return {str(k): _describe(v) for k, v in value.items()}
+    if isinstance(value, range):  # steps=range(...): kept as a range, never listed
+        return {"type": "range", "start": value.start, "stop": value.stop, "step": value.step}
+    if isinstance(value, (set, frozenset)):
+        return sorted((_describe(v) for v in value), key=repr)
+    if isinstance(value, (list, tuple)):
+        return [_describe(v) for v in value]
+    if inspect.isroutine(value) or isinstance(value, type):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    simple = (str, int, float, bool, type(None))
+    public = {k: v for k, v in getattr(value, "__dict__", {}).items() if not k.startswith("_")}
+    return {
+        "type": type(value).__qualname__,
+        **{k: v for k, v in public.items() if isinstance(v, simple)},
+    }
+
+
+def shared_view(opts: Any) -> dict[str, Any]:
+    """The options of ``opts`` (a ``ManagerOptions``) that every process must share."""
+    return {field: _describe(getattr(opts, field)) for field in SHARED}
+
+
+def check_same_options(opts: Any, region: _distributed.Region) -> None:
+    """Collective (a writer's open, in ``region``): CoordinationError on every process
+    naming each option whose :func:`shared_view` differs, and each process's value."""
+    if _distributed.process_count() == 1:
+        return
+    views = region.gather_json("manager-options", shared_view(opts))
+    differ = []
+    for field, label in SHARED.items():
+        values = [json.dumps(v[field], sort_keys=True) for v in views]
+        if len(set(values)) > 1:
+            short = [v if len(v) <= 160 else v[:157] + "..." for v in values]
+            each = "; ".join(f"process {p}: {v}" for p, v in enumerate(short))
+            differ.append(f"{label} differs ({each})")
+    if differ:
+        raise CoordinationError(
+            f"{opts.location}: the processes opened this manager with different options: "
+            f"{'. '.join(differ)}. Every process must pass the same (each would save, delete "
+            f"or write steps the others do not)"
+        )

@@ -1,6 +1,8 @@
 """The options of CheckpointManager and CheckpointCallback, each declared once and
 checked once where they enter, before anything is made; a save policy and a retention
-leave here as rule objects. Pure functions, on the constructing thread.
+leave here as rule objects; the two classes' signatures and docstrings are derived from
+the declarations (:func:`document`, once per class at import). Pure functions, on the
+constructing thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.options``.
 """
@@ -9,16 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .._base import host_memory as _host_memory
 from .._base.env import Option, check, found
 from .._base.host_memory import HOST_MEMORY
-from .._base.keywords import refuse_unknown, refuse_without, with_defaults
+from .._base.keywords import doc_lines, refuse_unknown, refuse_without, signature, with_defaults
 from .._base.shown import outside_stacklevel
 from .._core import formats as _formats
 from .._core.formats import MEMORY_LIMIT
@@ -35,29 +38,10 @@ from .checkpointables import (
     PytreeCheckpointable,
     kind_of,
 )
-from .lanes import Lane, Lanes
-from .retention import KeepAny, KeepRule, Retention
+from .retention import KeepAny, KeepRule, Lane, Lanes, Retention
 from .save_rules import AllOf, AnyOf, SavePolicy, SaveRule
 from .tiers import tier as _tiers_tier
 from .tiers.tier import Tier
-
-__all__ = [
-    "CALLBACK",
-    "CALLBACK_HINTS",
-    "DEPRECATED",
-    "DIRECTORY",
-    "HINTS",
-    "IMPORT",
-    "MANAGER",
-    "ManagerOptions",
-    "SAVE_CALL",
-    "SHARED_WITH_MANAGER",
-    "WRITER_ONLY",
-    "check_callback",
-    "check_import",
-    "check_manager",
-    "warn_deprecated",
-]
 
 
 def _name(name: Any, option: str) -> str:
@@ -140,7 +124,6 @@ def _mapping(value: Any) -> Mapping[str, Any]:
 
 
 def _object(name: str, convert: Any, annotation: str, doc: str, **more: Any) -> Option:
-    """A keyword option holding an object, None when not given, checked by ``convert``."""
     return Option(
         name, "custom", none_ok=True, convert=convert, annotation=annotation, doc=doc, **more
     )
@@ -383,10 +366,6 @@ IMPORT: tuple[Option, ...] = (  # fop.import_orbax's / fop.import_msgpack's keyw
 )
 
 
-def check_import(**options: Any) -> dict[str, Any]:  # an importer's, before it reads
-    return check(IMPORT, options)
-
-
 _CLOCK_DEFAULT = _save_rules.CLOCK.default
 _GROUPS = (
     ("retention", Retention, RETENTION_SHORTHANDS),
@@ -404,8 +383,7 @@ def warn_deprecated(what: str, instead: str) -> None:
 
 
 def _resolve_tier(given: Mapping[str, Any]) -> dict[str, Any]:
-    """``given`` with its deprecated ``persistent_<field>`` keywords (checked by those
-    names, refused without ``persistent=``) turned into ``persistent=Tier(...)``."""
+    """``given`` with its deprecated ``persistent_<field>`` keywords made ``persistent=Tier``."""
     flat = {o.name: given[o.name] for o in DEPRECATED if o.name in given}
     if not flat:
         return dict(given)
@@ -459,8 +437,8 @@ def _refuse_both(given: Mapping[str, Any]) -> None:
 
 
 def open_stall(given: Mapping[str, Any]) -> float | None:
-    """The stall timeout of the manager open's own waits, read before its region is
-    drawn; None where invalid (:func:`check_manager` refuses it then, in the region)."""
+    """The manager open's own stall timeout, read before its region is drawn; None where
+    invalid (:func:`check_manager` refuses it then)."""
     try:
         return STALL_TIMEOUT.check(given.get("stall_timeout"))
     except (OptionError, TypeError):
@@ -468,10 +446,8 @@ def open_stall(given: Mapping[str, Any]) -> float | None:
 
 
 def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
-    """The manager's keyword options ``given`` checked: unknown names refused, the flat
-    ``persistent_*`` made a Tier (warned), values checked, idle options refused.
-    Returns ``{name: value}`` of every option, ``policy`` and ``retention`` as rule
-    objects and ``persistent`` a Tier or None."""
+    """The manager's keyword options ``given`` checked (the flat ``persistent_*`` made a
+    Tier, warned); ``{name: value}`` of every option, the policies as rule objects."""
     given = _host_memory.take_old_name(given)
     refuse_unknown("CheckpointManager", given, MANAGER + DEPRECATED, hints=HINTS)
     given = _resolve_tier(given)
@@ -501,8 +477,7 @@ _GRACE = next(o.default for o in _tiers_tier.FIELDS if o.name == "grace_seconds"
 
 
 def _compose(out: dict[str, Any]) -> None:
-    """``out``'s policy and retention as rule objects (a Lanes is both); ``clock`` the
-    SavePolicy's, else the manager's (refused when nothing uses the time)."""
+    """``out``'s policy and retention as rule objects (a Lanes is both), and its clock."""
     if isinstance(out["retention"], Lanes):
         raise OptionError(
             f"retention={out['retention']!r}: a Lanes is a save policy and its retention at "
@@ -558,8 +533,7 @@ def _rules(value: Any, *, top: bool = True) -> Any:
 
 
 def check_callback(given: Mapping[str, Any], directory: Any) -> tuple[dict, dict]:
-    """CheckpointCallback's ``directory`` and options ``given`` (its ``manager_options``
-    too) checked now; returns the callback's options and its manager's keyword options."""
+    """CheckpointCallback's ``directory`` and options checked: its options, its manager's."""
     refuse_unknown(
         "CheckpointCallback",
         given,
@@ -606,8 +580,7 @@ def _overrides(
     checkpointables: Mapping[str, Checkpointable] | None,
     compression: Mapping[str, str] | None,
 ) -> dict[str, Checkpointable]:
-    """The checkpointable per item name: ``checkpointables``, then ``compression``'s
-    (names and codecs checked by their options' converters already)."""
+    """The checkpointable per item name: ``checkpointables``, then ``compression``'s."""
     overrides = dict(checkpointables or {})
     for name, codec in (compression or {}).items():
         if name in overrides:
@@ -627,8 +600,7 @@ def _overrides(
 
 @dataclass(frozen=True)
 class ManagerOptions:
-    """CheckpointManager's keyword options, checked once (:meth:`build`): the options of
-    the same names, and ``location``, ``tier`` (``persistent=``) and ``overrides``."""
+    """CheckpointManager's keyword options checked once (:meth:`build`); ``tier``: persistent=."""
 
     location: Location
     policy: SaveRule
@@ -650,8 +622,7 @@ class ManagerOptions:
 
     @classmethod
     def build(cls, directory: Any, given: Mapping[str, Any]) -> ManagerOptions:
-        """Checks ``given`` (:func:`check_manager`) and ``directory``; OptionError naming
-        the option, TypeError for an unknown one."""
+        """Checks ``given`` (:func:`check_manager`) and ``directory``."""
         values = check_manager(given)
         location = Location.from_path(DIRECTORY.check(directory))
         if values["persistent"] is not None and not location.is_local:  # before any store
@@ -668,16 +639,8 @@ class ManagerOptions:
                     f"or compression=; give HFShards(name=) another name"
                 )
             overrides[hf.name] = hf
-        plain = {k: values[k] for k in _PLAIN}
-        return cls(
-            location,
-            values["policy"],
-            values["retention"],
-            values["clock"],
-            values["persistent"],
-            overrides,
-            **plain,
-        )
+        same = {f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values}
+        return cls(location=location, tier=values["persistent"], overrides=overrides, **same)
 
     def check_reader(self) -> None:
         """Options that need a writer, refused with ``read_only=True``."""
@@ -692,17 +655,68 @@ class ManagerOptions:
             )
 
 
-# The fields of ManagerOptions taken from the option of the same name as checked.
-_PLAIN = (
-    "async_save",
-    "supersede",
-    "read_only",
-    "handle_sigterm",
-    "incremental",
-    "reuse_host_buffers",
-    "format_version",
-    "host_memory",
-    "stall_timeout",
-    "hf_shards",
-    "on_event",
-)
+MANAGER_DOC = """A directory of training steps: save policy, retention, async saves, restore.
+
+    ``CheckpointManager(directory, keep=3, every_steps=1000)``, or with the option
+    objects ``CheckpointManager(directory, retention=Retention(keep=3),
+    policy=SavePolicy(every_steps=1000), persistent=Tier("gs://b/run", keep=1))``, or
+    composed: ``policy=EverySteps(1000) | OnPreemption()``, ``retention=KeepLast(3) |
+    KeepBest(2, metric="loss")``, ``policy=Lanes(temporary=Lane(EverySeconds(1800),
+    keep=KeepLast(2)), permanent=Lane(EverySteps(10_000)))`` (docs/manager.md).
+
+    The options are keyword-only after ``directory``; each is checked when the manager
+    is made, and one that does nothing in the chosen mode is refused (OptionError
+    naming it).
+
+    Args:
+      directory: local path, ``s3://`` / ``gs://`` URL, or tensorstore kvstore spec.
+{options}
+
+    ``keep=``, ``keep_every=``, ``keep_best=``, ``best_metric=`` and ``best_mode=``
+    are shorthands of ``retention=Retention(...)``; ``every_steps=``,
+    ``every_seconds=``, ``steps=`` and ``clock=`` of ``policy=SavePolicy(...)``; a
+    shorthand given with its object is an OptionError naming both. The flat
+    ``persistent_keep=``, ``persistent_keep_every=``, ``persistent_every=``,
+    ``persistent_grace_seconds=`` and ``persistent_lease_seconds=`` of earlier
+    releases still work this release, with a DeprecationWarning: write
+    ``persistent=Tier(path, keep=..., keep_every=..., every=..., grace_seconds=...,
+    lease_seconds=...)``. Longer texts of some options (``handle_sigterm``,
+    ``incremental``, ``reuse_host_buffers``, ``host_memory``): docs/manager.md,
+    "Options in depth"; the tier: docs/tiers.md.
+
+    ``wait()``: the local tier, ``persistent.wait()``: the replication, ``close()``:
+    both. A writer locks a local directory (a second live writer: DirectoryLockedError)
+    and removes unfinished temporary steps; a step or core checkpoint is refused.
+    """
+
+CALLBACK_DOC = """Resume at train start, save on a policy, flush at train end.
+
+    The options are keyword-only after ``directory``, checked when the callback is
+    made (its ``manager_options`` too).
+
+    Args:
+      directory: the checkpoint directory (local path or ``s3://`` / ``gs://`` URL).
+{options}
+
+    With neither ``every_steps`` nor ``every_seconds`` every step is saved (the
+    manager's default policy); ``on_train_end`` always saves the final step.
+    ``resume=True`` on a place holding no step starts fresh with a WARNING naming the
+    directory (a mistyped path starts a new run). ``manager_options`` holds further
+    :class:`CheckpointManager` options, e.g. ``{{"persistent": Tier("gs://b/run",
+    keep=1)}}``: then ``directory`` is the fast local tier and resuming takes the
+    newest good step of either tier (a new machine with an empty ``directory`` resumes
+    from the bucket); ``{{"retention": Retention(...)}}`` or ``{{"policy":
+    SavePolicy(...)}}`` replace the callback's own ``keep`` (or ``every_steps`` /
+    ``every_seconds``), which may then not be given too.
+    """
+
+
+def document(cls: type, template: str, declared: Iterable[Option]) -> None:
+    """Sets ``cls.__doc__`` (``template`` with its ``{options}`` list) and the signature
+    of ``cls.__init__`` (``self``, ``directory``, then every option keyword-only) from
+    ``declared``."""
+    declared = tuple(declared)
+    cls.__doc__ = template.format(options=doc_lines(declared, indent="      "))
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    leading = [inspect.Parameter("self", positional), inspect.Parameter("directory", positional)]
+    cls.__init__.__signature__ = signature(leading, declared)

@@ -1,5 +1,6 @@
 """Each host's own local directory: saving, the persistent tier and restore ways of a
-manager whose processes each see a directory no other sees.
+manager whose processes each see a directory no other sees (way b: a step from a peer
+over jax collectives).
 
 Collective where they say so: every process calls them in the same order, on the
 training thread.
@@ -19,27 +20,24 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from .._base import distributed as _distributed
 from .._base import tree as _tree
 from .._core import formats as _formats
+from .._core import ownership as _ownership
 from .._core import removing as _removing
-from .._errors import CheckpointError, CheckpointNotFoundError
+from .._core.save import Staging
+from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import steps as _steps
-from .._format.layout import HOST_FILE
+from .._format.layout import HOST_FILE, MANIFEST_FILE
 from .._storage import local_files as _local_files
 from .._storage import run_record as _run_record
 from .._storage import shared_dir as _shared_dir
 from .._storage.location import Location
 from .checkpointables import from_json, to_json
-
-__all__ = [
-    "HOST_FILE",
-    "agreed_time",
-    "host_marker",
-    "layout_digest",
-    "valid_steps",
-]
+from .tiers import files as _files
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -67,46 +65,31 @@ def _array_leaves(items: Mapping[str, Any]):
                 yield name, path, leaf
 
 
-def layout_digest(items: Mapping[str, Any]) -> str:
-    """sha256 over every jax.Array leaf's path, shape, dtype and device -> region map
-    (informational, in the marker)."""
-    h = hashlib.sha256()
-    for name, path, leaf in _array_leaves(items):
-        regions = sorted(
-            (d.id, tuple((s.start, s.stop) for s in index))
-            for d, index in leaf.sharding.devices_indices_map(leaf.shape).items()
-        )
-        h.update(repr((name, path, leaf.shape, str(leaf.dtype), regions)).encode())
-    return h.hexdigest()
-
-
-def host_regions(items: Mapping[str, Any]) -> list[str]:
-    """Per process index, a sha256 over the regions its devices hold of every jax.Array
-    leaf (no device ids): two processes with one digest can read each other's copy."""
-    count = _distributed.process_count()
-    hashes = [hashlib.sha256() for _ in range(count)]
-    for name, path, leaf in _array_leaves(items):
-        held: list[set] = [set() for _ in range(count)]
-        for d, index in leaf.sharding.devices_indices_map(leaf.shape).items():
-            held[d.process_index].add(tuple((s.start, s.stop) for s in index))
-        for p in range(count):
-            what = (name, path, leaf.shape, str(leaf.dtype), sorted(held[p]))
-            hashes[p].update(repr(what).encode())
-    return [h.hexdigest() for h in hashes]
-
-
-def held_regions(items: Mapping[str, Any]) -> dict:
-    """The marker's ``held``: the regions this process holds of each jax.Array leaf it
-    does not hold whole, each distinct set once."""
-    me = _distributed.process_index()
+def own_marker(step: int, run: str | None, items: Mapping[str, Any]) -> bytes:
+    """This host's :data:`HOST_FILE` for ``step`` saved from ``items`` (its own shards):
+    ``layout``, a sha256 over every jax.Array leaf's path, shape, dtype and device ->
+    region map (informational); ``hosts``, per process index a sha256 over the regions its
+    devices hold (no device ids: two processes with one digest can read each other's
+    copy); ``held``, the regions this process holds of each leaf it does not hold whole,
+    each distinct set once."""
+    count, me = _distributed.process_count(), _distributed.process_index()
+    layout, hosts = hashlib.sha256(), [hashlib.sha256() for _ in range(count)]
     sets: list[list] = []
     seen: dict[tuple, int] = {}
-    out: dict[str, dict[str, int]] = {}
+    held: dict[str, dict[str, int]] = {}
     for name, path, leaf in _array_leaves(items):
-        shape = leaf.shape
+        shape, dtype = leaf.shape, str(leaf.dtype)
+        index_map = leaf.sharding.devices_indices_map(shape).items()
+        regions = sorted((d.id, tuple((s.start, s.stop) for s in index)) for d, index in index_map)
+        layout.update(repr((name, path, shape, dtype, regions)).encode())
+        per_process: list[set] = [set() for _ in range(count)]
+        for d, index in index_map:
+            per_process[d.process_index].add(tuple((s.start, s.stop) for s in index))
+        for p in range(count):
+            hosts[p].update(repr((name, path, shape, dtype, sorted(per_process[p]))).encode())
         mine = {
             tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
-            for d, index in leaf.sharding.devices_indices_map(shape).items()
+            for d, index in index_map
             if d.process_index == me
         }  # the regions of a sharding are disjoint or equal: their sizes add up
         if sum(math.prod(b - a for a, b in r) for r in mine) == math.prod(shape):
@@ -115,21 +98,16 @@ def held_regions(items: Mapping[str, Any]) -> dict:
         if key not in seen:
             seen[key] = len(sets)
             sets.append([[list(d) for d in r] for r in key])
-        out.setdefault(name, {})[path] = seen[key]
-    return {"sets": sets, "items": out}
-
-
-def own_marker(step: int, run: str | None, items: Mapping[str, Any]) -> bytes:
-    """This host's :data:`HOST_FILE` for ``step`` saved from ``items`` (its own shards)."""
-    layout, hosts = layout_digest(items), host_regions(items)
-    return host_marker(step, run, layout, hosts, held_regions(items))
+        held.setdefault(name, {})[path] = seen[key]
+    digests = [h.hexdigest() for h in hosts]
+    return host_marker(step, run, layout.hexdigest(), digests, {"sets": sets, "items": held})
 
 
 def host_marker(
     step: int, run: str | None, layout: str, hosts: list | None = None, held: dict | None = None
 ) -> bytes:
     """The bytes of this host's :data:`HOST_FILE` for ``step``; ``hosts`` and ``held``:
-    :func:`host_regions` and :func:`held_regions` (None: a copy of every region)."""
+    as :func:`own_marker` makes them (None: a copy of every region)."""
     doc = {
         "held": held,
         "format": _FORMAT,
@@ -229,7 +207,9 @@ def open_tier(loc: Location, tier: Any, own: bool, region: _distributed.Region) 
     if own:
         mine = _open_view(loc, local_steps)
         views = region.gather_json("per-host-open", mine)
-        local_steps = _queued(views)
+        primary = views[0]["record"]  # the steps every host holds, each of the primary's run
+        held = (s for s in views[0]["runs"] if all(v["runs"].get(s) == primary for v in views))
+        local_steps = [] if primary is None else sorted(int(s) for s in held)
     tier.open(local_steps, region=region)
     if not own:
         return None
@@ -263,14 +243,6 @@ def _open_view(loc: Location, steps: list[int]) -> dict:
     return {"record": record, "runs": runs}
 
 
-def _queued(views: list[dict]) -> list[int]:
-    """The local steps every host holds, each copy's marker naming the primary's run."""
-    run = views[0]["record"]
-    if run is None:
-        return []
-    return sorted(int(s) for s in views[0]["runs"] if all(v["runs"].get(s) == run for v in views))
-
-
 def claim_directory(loc: Location, run: str, steps: list[int]) -> None:
     """A non-primary host's own directory taken for ``run`` (``docs/run_owner.md``): its
     run record must name ``run``; without one, every committed step's marker must, and
@@ -288,10 +260,9 @@ def claim_directory(loc: Location, run: str, steps: list[int]) -> None:
     foreign = [s for s in steps if (read_marker(loc, s)[0] or {}).get("run") != run]
     if foreign:
         raise CheckpointError(
-            f"{loc} holds steps {foreign[-3:]} but no run record "
-            f"({_run_record.RUN_FILE}), and their {HOST_FILE} do not name this run {run}: "
-            f"they are another run's, and mixing them would restore or delete the other's. "
-            f"Give this host a directory of its own for this run"
+            f"{loc} holds steps {foreign[-3:]} but no run record ({_run_record.RUN_FILE}), "
+            f"and their {HOST_FILE} do not name this run {run}: they are another run's (mixing "
+            f"would restore or delete them). Give this host a directory of its own for this run"
         )
     mine = _run_record.RunRecord.here(run, secrets.token_hex(8))
     loc.write_bytes(_run_record.RUN_FILE, mine.to_bytes())
@@ -328,3 +299,165 @@ def with_primary_extras(items: dict[str, Any], region: _distributed.Region) -> d
     agreed = json.loads(region.broadcast_str(op, mine))
     out = {n: v for n, v in items.items() if n != "extras"}
     return out if agreed is None else {**out, "extras": from_json(agreed)}
+
+
+PIECE_BYTES = 32 << 20  # bytes per collective broadcast
+
+
+def _offer(doc: dict | None) -> dict | None:
+    if doc is None:
+        return None
+    return {"full": doc.get("layout") == COPY_LAYOUT, "hosts": doc.get("hosts")}
+
+
+def peer_plan(offers: list[dict | None]) -> dict[int, int] | str:
+    """``{recipient: donor}`` for every process without the step, or why not (the same
+    on every process: a function of the gathered offers)."""
+    holders = [p for p, o in enumerate(offers) if o is not None]
+    recipients = [p for p, o in enumerate(offers) if o is None]
+    if not holders:
+        return "no process holds it"
+    out = {}
+    for r in recipients:
+        for h in holders:
+            hosts = offers[h].get("hosts")
+            same = isinstance(hosts, list) and len(hosts) == len(offers) and hosts[r] == hosts[h]
+            if offers[h].get("full") or same:
+                out[r] = h
+                break
+        else:
+            return (
+                f"no process holding it holds the regions process {r} needs (a state "
+                f"sharded with no replica across hosts, or one saved with another layout)"
+            )
+    return out
+
+
+def fetch_from_peers(
+    loc: Location, step: int, run: Any, holds: bool, region: _distributed.Region
+) -> bool:
+    """Collective (in ``region``): way (b) for ``step`` (``holds``: this process has a
+    valid copy). True on every process when all now hold it committed, else False."""
+    doc = read_marker(loc, step)[0] if holds else None
+    offers = region.gather_json("peer-offer", _offer(doc))
+    chosen = peer_plan(offers)
+    if isinstance(chosen, str):
+        logger.info("checkpoint: step %d cannot come from the peers, no way b: %s", step, chosen)
+        return False
+    me, t0, errors = _distributed.process_index(), time.perf_counter(), []
+    for donor in sorted(set(chosen.values())):
+        takers = sorted(r for r, d in chosen.items() if d == donor)
+        given = doc if me == donor else None
+        error = _from_donor(loc, step, run, donor, me in takers, given, region)
+        errors.append(error)
+    error = next((e for e in errors if e is not None), None)
+    views = region.gather_json("peer-commit", error)
+    bad = [f"process {p}: {v}" for p, v in enumerate(views) if v is not None]
+    if bad:
+        logger.warning(
+            "checkpoint: step %d from the peers failed, no way b: %s", step, "; ".join(bad)
+        )
+        return False
+    logger.info(
+        "checkpoint: step %d sent by peers over jax collectives: %s, %.3f s",
+        step,
+        ", ".join(f"process {d} -> process {r}" for r, d in sorted(chosen.items())),
+        time.perf_counter() - t0,
+    )
+    return True
+
+
+def _from_donor(
+    loc: Location,
+    step: int,
+    run: Any,
+    donor: int,
+    take: bool,
+    doc: dict | None,
+    region: _distributed.Region,
+) -> str | None:
+    """Collective: ``donor``'s copy of ``step`` sent to every process; committed here
+    when ``take``. Returns this process's error (None: none)."""
+    mine = None
+    if doc is not None:  # this process is the donor
+        try:
+            mine = _read_copy(loc, step)
+        except (CheckpointError, OSError) as e:
+            mine = f"{type(e).__name__}: {e}"
+    listing = None
+    if doc is not None:
+        listing = (
+            {"error": mine}
+            if isinstance(mine, str)
+            else {
+                "files": [[rel, len(data), hashlib.sha256(data).hexdigest()] for rel, data in mine],
+                "layout": doc.get("layout"),
+                "hosts": doc.get("hosts"),
+                "held": doc.get("held"),  # the donor's regions are the recipient's
+            }
+        )
+    listing = region.gather_json("peer-listing", listing)[donor]
+    if "error" in listing:
+        return f"process {donor} could not read its copy: {listing['error']}" if take else None
+    total = sum(size for _, size, _ in listing["files"])
+    blob = b"".join(data for _, data in mine) if doc is not None else b""
+    received = _broadcast(blob, total, doc is not None)
+    if not take:
+        return None
+    try:
+        _commit(loc, step, run, listing, received)
+    except (CheckpointError, OSError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _read_copy(loc: Location, step: int) -> list[tuple[str, bytes]]:
+    """Every file of this host's copy of ``step`` but its marker, the manifest last."""
+    root = _steps.step_location(loc, step).path
+    names = [n for n in _files.local_files(root, step) if n != HOST_FILE]
+    return [(n, _files.read_local_file(root, n, step)) for n in [*names, MANIFEST_FILE]]
+
+
+def _broadcast(blob: bytes, total: int, source: bool) -> bytes:
+    """Collective: the source's ``total`` bytes ``blob`` on every process."""
+    piece = min(PIECE_BYTES, max(1 << 12, 1 << max(total - 1, 1).bit_length()))
+    out = bytearray()
+    for start in range(0, total, piece):
+        buf = np.zeros(piece, np.uint8)
+        if source:
+            part = blob[start : start + piece]
+            buf[: len(part)] = np.frombuffer(part, np.uint8)
+        got = multihost_utils.broadcast_one_to_all(buf, is_source=source)
+        out += np.asarray(got)[: min(piece, total - start)].tobytes()
+    return bytes(out)
+
+
+def _commit(loc: Location, step: int, run: Any, listing: dict, received: bytes) -> None:
+    """The received copy checked, staged with this host's marker and committed."""
+    final = _steps.step_location(loc, step)
+    where = f"the peer's copy of step {step}"
+    files, offset = {}, 0
+    for rel, size, sha in listing["files"]:
+        data = received[offset : offset + size]
+        offset += size
+        if len(data) != size or hashlib.sha256(data).hexdigest() != sha:
+            raise CorruptCheckpointError(f"{where}: {rel}: not received intact (size, sha256)")
+        files[rel] = data
+    raw = files.pop(MANIFEST_FILE)
+    manifest = _files.parse_manifest(raw, final, step)
+    for rel, want in manifest.files.items():
+        if rel in files and hashlib.sha256(files[rel]).hexdigest() != want:
+            raise CorruptCheckpointError(f"{where}: {rel}: sha256 differs from {MANIFEST_FILE}")
+    if _ownership.check_slot(final, what=f"step {step}", replace=False):
+        _ownership.remove(final, action="clear the remains of a dead copy at")
+    staging = Staging.begin(final, secrets.token_hex(6), own=True)
+    try:
+        for rel, data in files.items():
+            staging.location.write_bytes(rel, data, durable=False)
+        marker = host_marker(step, run, listing["layout"], listing["hosts"], listing.get("held"))
+        staging.location.write_bytes(HOST_FILE, marker, durable=False)
+        staging.location.sync()
+        staging.publish(MANIFEST_FILE, raw, replace=False)
+    except BaseException:
+        staging.abort()
+        raise

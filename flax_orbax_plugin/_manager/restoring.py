@@ -37,21 +37,17 @@ from .._like import onto_like as _onto_like
 from .._state.resume import check_items, item_mismatch, warn_unread
 from .._state.train_state import merge_state, split_state
 from .._storage.location import Location
-from . import peers as _peers
 from . import per_host as _per_host
 from .checkpointables import COPY_KINDS, checkpointable_for, kind_of
 from .events import RestoreDone, measure_stored
 from .retaining import StepBook
 
-__all__ = ["Restorer"]
-
 logger = logging.getLogger("flax_orbax_plugin")
 
 
 class Restorer:
-    """Restores steps of the manager's directory as its checked ``opts`` (a
-    ``ManagerOptions``) say (``read_only``: never moves a damaged step aside);
-    ``book``: the manager's step records."""
+    """Restores steps of the manager's directory as ``opts`` (a ``ManagerOptions``) say
+    (``read_only``: never moves a damaged step aside); ``book``: its step records."""
 
     def __init__(self, opts: Any, book: StepBook):
         self._loc = opts.location
@@ -75,9 +71,8 @@ class Restorer:
         region,
         limit: int | None = None,
     ) -> Any:
-        """``step`` (None: the latest that restores), as CheckpointManager.restore, its
-        collective calls in ``region``; ``limit``: a host-memory ceiling under the
-        manager's. Emits RestoreDone."""
+        """``step`` (None: the latest that restores) as CheckpointManager.restore, in
+        ``region``; ``limit``: a host-memory ceiling under the manager's."""
         started, self._tier = time.perf_counter(), "local"
         ceiling = _host_memory.resolve(self._ceiling)  # "auto": from the memory free now
         if limit is not None:
@@ -99,7 +94,6 @@ class Restorer:
         self, like: Any, step: int | None, items: Any, data_iterator: Any, changes, region, ceiling
     ) -> Any:
         tier, own = self._book.tier, self._book.per_host
-        # every item's modes, and the restore's region
         request = ReadRequest.of_step(own_copy=own, changes=changes, region=region, ceiling=ceiling)
         fn = lambda s: self._restore_step(s, like, items, data_iterator, request)
         if own:
@@ -212,7 +206,7 @@ class Restorer:
         if target in self._book.listed() and target not in mine:  # not this host's
             _removing.remove_step(self._loc, target)  # (an old map): a peer's replaces it
             self._book.removed(target)
-        done = _peers.fetch(self._loc, target, self._book.run, target in mine, region)
+        done = _per_host.fetch_from_peers(self._loc, target, self._book.run, target in mine, region)
         self._book.forget()
         return done
 
@@ -239,8 +233,7 @@ class Restorer:
         return steps
 
     def _set_aside(self, step: int, error: Exception) -> None:
-        """Moves a step whose verified read proved damage aside (a planted foreign entry:
-        skipped, never moved)."""
+        """Moves a step whose verified read proved damage aside (never a foreign entry)."""
         logger.warning("checkpoint: skipping damaged step %d of %s: %s", step, self._loc, error)
         if isinstance(error, ForeignEntryError):
             return
@@ -321,18 +314,15 @@ class Restorer:
 
     def warn_replay(self, step: int) -> None:
         """Warns once per manager when ``step`` (just restored) holds a data position that
-        a resume left out (it replays the data). A writer's whole-state restore and the
-        callback's resume call it."""
+        a resume left out (it replays the data)."""
         if self._warned_replay or "data_iterator" not in self.restored_items:
             return
         self._warned_replay = True
         warnings.warn(
-            f"step {step} of {self._loc} holds a 'data_iterator' item (the data position) "
-            f"but no data_iterator was given, so it is not restored and the run reads its "
-            f"data again from wherever the new iterator starts. Pass data_iterator=it "
-            f"(CheckpointManager.restore, CheckpointCallback.on_train_start); to start the "
-            f"data afresh on purpose, name the items to restore (restore(items=[...])) or "
-            f"on_train_start(state, reset=('data_iterator',))",
+            f"step {step} of {self._loc} holds a 'data_iterator' item but no data_iterator "
+            f"was given: the run reads its data again. Pass data_iterator=it (restore, "
+            f"on_train_start), or to start the data afresh name the items to restore "
+            f"(restore(items=[...]), on_train_start(state, reset=('data_iterator',)))",
             UserWarning,
             stacklevel=outside_stacklevel(),
         )

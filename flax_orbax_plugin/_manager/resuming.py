@@ -18,15 +18,6 @@ from .._storage.lock import LOCK_FILE
 
 logger = logging.getLogger("flax_orbax_plugin")
 
-__all__ = [
-    "created_by_open",
-    "no_run_to_resume",
-    "place_exists",
-    "refuse_or_clear",
-    "remove_created",
-    "unstarted",
-]
-
 
 def place_exists(directory: Any) -> bool:
     """Whether anything is stored at ``directory`` yet (before the manager opens it)."""
@@ -74,8 +65,7 @@ def created_by_open(directory: Any) -> list[str]:
 
 
 def remove_created(directory: Any, mngr: Any, created: list[str]) -> None:
-    """Closes ``mngr`` and, when ``directory`` holds nothing but its lock file, removes
-    the lock and the empty ``created`` directories."""
+    """Closes ``mngr``; the lock and the empty ``created`` directories go if alone there."""
     mngr.close()
     if created and Location.from_path(directory).list_children() == [LOCK_FILE]:
         _ownership.remove_created(created, files=(LOCK_FILE,))
@@ -87,11 +77,10 @@ def refuse_or_clear(directory: Any, mngr: Any, latest: int, overwrite: bool) -> 
         where = "" if mngr.persistent is None else f" (or its tier {mngr.persistent.remote})"
         raise CheckpointError(
             f"{directory}{where} already holds steps of a run (latest: {latest}) and "
-            f"resume=False: refusing to mix two runs. Resume it (resume=True), use a "
-            f"new directory, or pass overwrite=True to remove its steps first. A job "
-            f"restarted with the same command (preemptible, or rescheduled) should run "
-            f"with resume=True from its first start: it starts fresh while the directory "
-            f"holds no step and resumes the latest good step after every restart"
+            f"resume=False: refusing to mix two runs. Resume it (resume=True), use a new "
+            f"directory, or pass overwrite=True to remove its steps first. A job restarted "
+            f"with the same command should run with resume=True from its first start (it "
+            f"starts fresh while the directory holds no step)"
         )
     mngr.delete(*mngr.steps())  # collective: every process lists before any goes
     if mngr.persistent is not None:
@@ -102,8 +91,7 @@ def refuse_or_clear(directory: Any, mngr: Any, latest: int, overwrite: bool) -> 
 
 def unstarted(directory: Any, mngr: Any, step: int, resume: bool | str, overwrite: bool) -> None:
     """The first step of a loop that never called ``on_train_start``: an earlier run's
-    steps are refused (or with ``overwrite`` emptied) as ``resume=False`` would, and
-    with ``resume`` set, since nothing was restored into this loop's state."""
+    steps are refused (or with ``overwrite`` emptied), whatever ``resume`` says."""
     latest = mngr.latest_step(include_persistent=True)
     if latest is None or mngr.restored_step is not None:  # nothing to mix, or restored
         return

@@ -1,11 +1,10 @@
-"""StepBook: what one CheckpointManager knows about its steps, under one lock; and
-RetentionRunner, which deletes the steps its retention policy drops, by that book.
+"""StepBook: what one CheckpointManager knows about its steps; RetentionRunner, which
+deletes the steps its retention drops, by that book.
 
-Threading: the training thread, the save's background thread and the deletion thread
-all use one book; every field is read and changed under its lock. RetentionRunner:
-``start`` creates the one deletion thread; each commit calls ``submit`` from the save's
-background thread; ``wait`` and ``shutdown`` are the training thread's; ``apply`` runs
-on the deletion thread (the training thread for ``gc``).
+Threading: the training, save and deletion threads share one book, every field under
+its lock. RetentionRunner: ``submit`` from the save's background thread after each
+commit; ``wait`` and ``shutdown`` on the training thread; ``apply`` on the deletion
+thread (the training thread for ``gc``).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.retaining``.
 """
@@ -39,8 +38,6 @@ from .events import Events
 from .retention import KeepRule, StepFacts, sound_steps_to_delete
 from .tiers import PersistentTier
 
-__all__ = ["RetentionRunner", "StepBook", "as_metric"]
-
 logger = logging.getLogger("flax_orbax_plugin")
 WHILE_SAVING = 2  # deletes in flight on an object store while a save runs
 
@@ -48,8 +45,7 @@ WHILE_SAVING = 2  # deletes in flight on an object store while a save runs
 class StepBook:
     """The step records of the manager on ``location``: committed steps (in memory: a
     save costs the same whatever the number kept), steps being read or deleted, metrics,
-    save times and lanes, the last save. Built once the writer's open resolved ``tier``,
-    ``per_host``, the ``run`` owning the places and the ``writer``'s lock or lease."""
+    save times and lanes, the last save; built once the writer's open resolved the rest."""
 
     def __init__(
         self,
@@ -73,8 +69,6 @@ class StepBook:
         self._committed: list[int] | None = None  # a writer's committed steps (steps())
         self._last_save: SaveResult | None = None
 
-    # -- committed steps
-
     def listed(self) -> list[int]:
         """Committed steps, ascending (not those being deleted), as listed in the store now."""
         steps = _steps.committed_steps(self.location)
@@ -90,7 +84,7 @@ class StepBook:
 
     def known(self) -> list[int]:
         """A writer's committed steps from its list in memory (not those being deleted),
-        listed at the first need and after :meth:`forget`. Any thread."""
+        listed at the first need and after :meth:`forget`."""
         with self.lock:
             known = self._committed
         if known is None:
@@ -127,8 +121,6 @@ class StepBook:
         with self.lock:
             return self._last_save
 
-    # -- reading and deleting
-
     def begin_read(self, step: int) -> None:
         """``step`` is being read (not deleted meanwhile); pair with :meth:`end_read`."""
         with self.lock:
@@ -157,20 +149,14 @@ class StepBook:
             self._deleting.discard(step)
             self._metrics.pop(step, None)
 
-    # -- metrics (keep_best)
-
-    def metric(self, step: int) -> tuple[bool, dict[str, float | None]]:
-        """``(known, {name: value})``: whether ``step``'s metrics are known, and them."""
+    def metric(self, step: int) -> dict[str, float | None] | None:
+        """``step``'s metrics (keep_best), None when not known."""
         with self.lock:
-            if step in self._metrics:
-                return True, self._metrics[step]
-        return False, {}
+            return self._metrics.get(step)
 
     def set_metric(self, step: int, value: dict[str, float | None]) -> None:
         with self.lock:
             self._metrics[step] = value
-
-    # -- save times and lanes (KeepFor, Lanes)
 
     def note_save(self, step: int, when: float, lane: str) -> None:
         """Training thread, as ``step``'s save begins: its time and lane."""
@@ -179,7 +165,7 @@ class StepBook:
             self._lanes[step] = lane
 
     def note_lane(self, step: int, lane: str | None) -> None:
-        """Any thread: the lane an earlier run recorded for ``step`` (None: none)."""
+        """The lane an earlier run recorded for ``step`` (None: none)."""
         with self.lock:
             self._lanes.setdefault(step, lane)
 
@@ -195,8 +181,7 @@ class StepBook:
 
 
 def as_metric(value: Any) -> float | None:
-    """``value`` as a float (a Python, numpy or jax real number); None for anything
-    else (no value, a string, a bool)."""
+    """``value`` as a float (a Python, numpy or jax real number); None for anything else."""
     if value is None or isinstance(value, (bool, np.bool_, str, bytes)):
         return None
     if isinstance(value, numbers.Real):
@@ -214,9 +199,8 @@ def as_metric(value: Any) -> float | None:
 
 
 class RetentionRunner:
-    """Deletes the steps of the manager's directory that its retention (the checked
-    ``opts``, a ``ManagerOptions``) does not keep. ``busy()``: which part of a save runs
-    now (``Saver.busy``), asked by removals."""
+    """Deletes the steps of the manager's directory that its retention (``opts``, a
+    ``ManagerOptions``) does not keep; ``busy()``: ``Saver.busy``, asked by removals."""
 
     def __init__(self, opts: Any, book: StepBook, busy: Callable[[], str | None]):
         self._loc = opts.location
@@ -234,8 +218,6 @@ class RetentionRunner:
         self._unranked: set[str] = set()  # metrics a save lacked (warned of once each)
         self._whole: set[int] = set()  # steps of earlier runs whose manifest read whole
         self._damaged: set[int] = set()  # ... and those whose manifest did not
-
-    # -- the deletion thread
 
     def start(self) -> None:
         """The writer's open: the deletion thread (a reader never deletes)."""
@@ -257,8 +239,7 @@ class RetentionRunner:
         self.apply(asked)
 
     def wait(self) -> None:
-        """Training thread: drains the queue, then raises CheckpointError naming the
-        steps whose removal failed (they stay listed)."""
+        """Training thread: drains the queue, then raises naming the steps whose removal failed."""
         fut = self._last
         if fut is not None:
             fut.result()
@@ -284,8 +265,6 @@ class RetentionRunner:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
-    # -- metrics
-
     def metric_of(self, extras: Any, step: int) -> dict[str, float | None]:
         """``{name: value}`` of the ranked metrics in the extras being saved; one they
         lack is warned of (once per name)."""
@@ -301,9 +280,8 @@ class RetentionRunner:
             )
             warnings.warn(
                 f"retention ranks steps by extras[{name!r}], but the extras of step {step} "
-                f"{there}; "
-                "such a step is never ranked, and while no step holds it keep_best ranks "
-                "nothing and keeps every step (warned once)",
+                f"{there}; such a step is never ranked, and while no step holds it keep_best "
+                "ranks nothing and keeps every step (warned once)",
                 UserWarning,
                 stacklevel=outside_stacklevel(),
             )
@@ -311,8 +289,8 @@ class RetentionRunner:
 
     def metric(self, step: int) -> dict[str, float | None]:
         """``step``'s metrics: known from its save, else read from its extras once."""
-        known, value = self._book.metric(step)
-        if known:
+        value = self._book.metric(step)
+        if value is not None:
             return value
         names = self._metric_names
         value = dict.fromkeys(names)
@@ -331,12 +309,9 @@ class RetentionRunner:
         self._book.set_metric(step, value)
         return value
 
-    # -- deleting
-
     def apply(self, just_written: int | Iterable[int] | None) -> list[int]:
         """Deletion thread (or ``gc``): the primary deletes the steps the policy does not
-        keep, protecting the newest of ``just_written``; the other processes drop them
-        from their list. A failed removal is kept, logged and remembered for ``wait``."""
+        keep but the newest of ``just_written``, the others drop them from their list."""
         removed: list[int] = []
         if not self.policy.deletes_anything:
             return removed
@@ -364,7 +339,7 @@ class RetentionRunner:
 
     def _remove(self, step: int) -> bool:
         """Removes one doomed step; False when it is being read or its removal failed
-        (kept). Remains left after it left the listing: True, their error kept."""
+        (kept); True with remains left after it left the listing (their error kept)."""
         if not self._book.begin_delete(step):
             return False
         try:

@@ -1,4 +1,5 @@
-"""Retention as small composable objects: which committed steps a manager keeps.
+"""Retention as small composable objects: which committed steps a manager keeps; and
+lanes, two save policies each with its own retention.
 
 Pure values; any thread.
 
@@ -15,23 +16,7 @@ from typing import Any
 from .._base.env import Option, check, found
 from .._base.keywords import refuse_without
 from .._errors import OptionError, OptionTypeError
-
-__all__ = [
-    "ALIASES",
-    "FIELDS",
-    "KeepAny",
-    "KeepBest",
-    "KeepEvery",
-    "KeepFor",
-    "KeepLast",
-    "KeepRule",
-    "Retention",
-    "StepFacts",
-    "check_keep",
-    "finite",
-    "from_aliases",
-    "steps_to_delete",
-]
+from .save_rules import Moment, SaveRule, check_rule, flattened
 
 
 def finite(value: object) -> float | None:
@@ -62,6 +47,11 @@ class KeepRule:
 
     deletes_anything = True  # without it no step is ever deleted (nothing to run)
     uses_time = False  # the facts' times matter (then they are the primary's, shared)
+    _checks: Mapping[str, Option] = {}  # field -> its declaration, checked when made
+
+    def __post_init__(self) -> None:
+        for name, option in self._checks.items():
+            object.__setattr__(self, name, option.check(getattr(self, name)))
 
     @property
     def metric_names(self) -> frozenset[str]:
@@ -94,22 +84,12 @@ def check_keep(value: Any, where: str) -> KeepRule:
     return value
 
 
-_LAST = Option("KeepLast(n)", "int", low=1)
-_EVERY = Option("KeepEvery(k)", "int", low=1)
-_BEST = Option("KeepBest(n)", "int", low=1)
-_METRIC = Option("KeepBest(metric)", "str", expected="a key of the saved extras (a str)")
-_MODE = Option("KeepBest(mode)", "choice", choices=("min", "max"))
-_AGE = Option("KeepFor(seconds)", "number", low=0, low_open=True)
-
-
 @dataclass(frozen=True)
 class KeepLast(KeepRule):
     """Keeps the ``n`` (>= 1) highest steps."""
 
     n: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "n", _LAST.check(self.n))
+    _checks = {"n": Option("KeepLast(n)", "int", low=1)}
 
     def kept(self, steps: list[int], facts: StepFacts) -> set[int]:
         return set(steps[-self.n :])
@@ -121,9 +101,7 @@ class KeepEvery(KeepRule):
 
     k: int
     deletes_anything = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "k", _EVERY.check(self.k))
+    _checks = {"k": Option("KeepEvery(k)", "int", low=1)}
 
     def kept(self, steps: list[int], facts: StepFacts) -> set[int]:
         return {s for s in steps if s % self.k == 0}
@@ -141,11 +119,11 @@ class KeepBest(KeepRule):
     n: int
     metric: str = ""
     mode: str = "min"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "n", _BEST.check(self.n))
-        object.__setattr__(self, "metric", _METRIC.check(self.metric))
-        object.__setattr__(self, "mode", _MODE.check(self.mode))
+    _checks = {
+        "n": Option("KeepBest(n)", "int", low=1),
+        "metric": Option("KeepBest(metric)", "str", expected="a key of the saved extras (a str)"),
+        "mode": Option("KeepBest(mode)", "choice", choices=("min", "max")),
+    }
 
     @property
     def metric_names(self) -> frozenset[str]:
@@ -168,9 +146,7 @@ class KeepFor(KeepRule):
 
     seconds: float
     uses_time = True
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "seconds", _AGE.check(self.seconds))
+    _checks = {"seconds": Option("KeepFor(seconds)", "number", low=0, low_open=True)}
 
     def kept(self, steps: list[int], facts: StepFacts) -> set[int]:
         now = facts.now
@@ -188,13 +164,8 @@ class KeepAny(KeepRule):
     rules: tuple[KeepRule, ...]
 
     def __init__(self, *rules: Any):
-        if not rules:
-            raise OptionTypeError("KeepAny() needs at least one retention rule, found none")
-        out: list[KeepRule] = []
-        for i, r in enumerate(rules):
-            r = check_keep(r, f"KeepAny(...) argument {i}")
-            out.extend(r.rules if type(r) is KeepAny else (r,))
-        object.__setattr__(self, "rules", tuple(out))
+        parts = flattened(KeepAny, rules, check_keep, "retention rule", "rules")
+        object.__setattr__(self, "rules", parts)
 
     @property
     def deletes_anything(self) -> bool:  # type: ignore[override]
@@ -354,3 +325,94 @@ def sound_steps_to_delete(
         if not bad:
             return doomed
         damaged |= bad
+
+
+TEMPORARY = "temporary"
+PERMANENT = "permanent"
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One lane: the steps ``save`` wants, kept by ``keep`` (None: forever)."""
+
+    save: SaveRule
+    keep: KeepRule | None = None
+
+    def __post_init__(self) -> None:
+        check_rule(self.save, "Lane(save)")
+        if self.keep is not None:
+            check_keep(self.keep, "Lane(keep)")
+            if not self.keep.deletes_anything:
+                raise OptionError(
+                    f"Lane(keep={self.keep!r}) deletes nothing (a KeepEvery keeps steps "
+                    "beside a rule that deletes): add KeepLast(n) or KeepFor(seconds), or "
+                    "give keep=None to keep the lane's steps forever"
+                )
+
+
+@dataclass(frozen=True)
+class Lanes(SaveRule, KeepRule):
+    """A temporary and a permanent :class:`Lane` (see the module docstring)."""
+
+    temporary: Lane
+    permanent: Lane
+
+    def __post_init__(self) -> None:
+        for name in (TEMPORARY, PERMANENT):
+            value = getattr(self, name)
+            if not isinstance(value, Lane):
+                raise OptionError(
+                    f"Lanes({name}=) must be a fop.Lane(save_policy, keep=...), found "
+                    f"{type(value).__name__} {value!r}"
+                )
+
+    @property
+    def uses_time(self) -> bool:  # type: ignore[override]
+        keeps = [lane.keep for lane in self._lanes() if lane.keep is not None]
+        return any(lane.save.uses_time for lane in self._lanes()) or any(k.uses_time for k in keeps)
+
+    @property
+    def watches_preemption(self) -> bool:  # type: ignore[override]
+        return any(lane.save.watches_preemption for lane in self._lanes())
+
+    def wants(self, moment: Moment) -> bool:
+        return self.label(moment) is not None
+
+    def label(self, moment: Moment) -> str | None:
+        if self.permanent.save.wants(moment):
+            return PERMANENT
+        return TEMPORARY if self.temporary.save.wants(moment) else None
+
+    uses_lanes = True  # the facts' lanes matter: each step's, recorded in its manifest
+
+    @property
+    def deletes_anything(self) -> bool:  # type: ignore[override]
+        return any(lane.keep is not None for lane in self._lanes())
+
+    @property
+    def metric_names(self) -> frozenset[str]:
+        keeps = [lane.keep for lane in self._lanes() if lane.keep is not None]
+        return frozenset().union(*(k.metric_names for k in keeps))
+
+    def kept(self, steps: list[int], facts: StepFacts) -> set[int]:
+        lanes = {s: facts.lanes.get(s) or self._lane_by_number(s) for s in steps}
+        temporary = [s for s in steps if lanes[s] == TEMPORARY]
+        permanent = [s for s in steps if lanes[s] != TEMPORARY]
+        out: set[int] = set()
+        for lane, own in ((self.temporary, temporary), (self.permanent, permanent)):
+            out |= set(own) if lane.keep is None else lane.keep.kept(own, facts)
+        return out
+
+    def _lane_by_number(self, step: int) -> str:
+        """The lane of an earlier run's step: by its number when the permanent policy
+        goes by numbers only, else permanent (never removed by the temporary rule)."""
+        save = self.permanent.save
+        if save.uses_time or save.watches_preemption:
+            return PERMANENT
+        return PERMANENT if save.wants(Moment(step=step)) else TEMPORARY
+
+    def _lanes(self) -> tuple[Lane, Lane]:
+        return (self.temporary, self.permanent)
+
+    def __or__(self, other: Any) -> Any:
+        raise OptionError("a Lanes is the whole policy: combine the policies inside its lanes")

@@ -1,14 +1,17 @@
-"""Save policies as small composable objects: which steps a CheckpointManager saves.
+"""Save policies as small composable objects: which steps a CheckpointManager saves;
+the preemption notice, how a writer learns at which step the run must stop.
 
-The rules and SavePolicy are pure values (any thread). SaveSchedule: the training
-thread only; with several processes every process asks for every step, in order
-(``should_save`` or ``save`` once per step).
+The rules and SavePolicy are pure values (any thread). SaveSchedule and Preemption: the
+training thread only; with several processes every process asks for every step, in
+order, with the same step numbers (``should_save`` or ``save`` once per step).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.save_rules``.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass
@@ -18,37 +21,14 @@ from .._base import distributed as _distributed
 from .._base.env import Option, check, found
 from .._base.keywords import refuse_without
 from .._errors import OptionError, OptionTypeError
-from .preemption import Preemption
-
-__all__ = [
-    "ALIASES",
-    "AllOf",
-    "AnyOf",
-    "AtSteps",
-    "Continuous",
-    "EverySeconds",
-    "EverySteps",
-    "FIELDS",
-    "FORCED",
-    "InitialSave",
-    "Moment",
-    "OnPreemption",
-    "SavePolicy",
-    "SaveRule",
-    "SaveSchedule",
-    "check_rule",
-    "from_aliases",
-]
 
 MAX_SECONDS = 1e9  # seconds: about 31 years, below threading.TIMEOUT_MAX everywhere
 
 
 @dataclass(frozen=True)
 class Moment:
-    """What a save policy is asked about: ``step`` at ``now``; seconds ``since_save``
-    began (or the first decision); ``has_steps`` (committed or saved here); the previous
-    save ``in_flight``; ``preempted`` (the step to save before stopping);
-    ``last_blocking`` seconds of the last save (None before any)."""
+    """What a save policy is asked about: ``step`` at ``now``, seconds ``since_save``
+    began (or the first decision), the last save's blocking seconds (None before any)."""
 
     step: int
     now: float = 0.0
@@ -65,6 +45,11 @@ class SaveRule:
 
     uses_time = False  # the decision depends on the time or the save in flight
     watches_preemption = False  # the manager must learn of preemption notices
+    _checks: Mapping[str, Option] = {}  # field -> its declaration, checked when made
+
+    def __post_init__(self) -> None:
+        for name, option in self._checks.items():
+            object.__setattr__(self, name, option.check(getattr(self, name)))
 
     def wants(self, moment: Moment) -> bool:  # pragma: no cover - the protocol
         raise NotImplementedError
@@ -91,19 +76,12 @@ def check_rule(value: Any, where: str) -> SaveRule:
     return value
 
 
-_N = Option("EverySteps(n)", "int", low=1)
-_T = Option("EverySeconds(seconds)", "number", low=0, low_open=True, high=MAX_SECONDS)
-_PERCENT = Option("Continuous(max_overhead_percent)", "number", low=0, low_open=True, high=100)
-
-
 @dataclass(frozen=True)
 class EverySteps(SaveRule):
     """Saves when ``step % n == 0`` (``n`` >= 1; ``EverySteps(1)``: every step)."""
 
     n: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "n", _N.check(self.n))
+    _checks = {"n": Option("EverySteps(n)", "int", low=1)}
 
     def wants(self, moment: Moment) -> bool:
         return moment.step % self.n == 0
@@ -115,9 +93,9 @@ class EverySeconds(SaveRule):
 
     seconds: float
     uses_time = True
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "seconds", _T.check(self.seconds))
+    _checks = {
+        "seconds": Option("EverySeconds(seconds)", "number", low=0, low_open=True, high=MAX_SECONDS)
+    }
 
     def wants(self, moment: Moment) -> bool:
         return moment.since_save >= self.seconds
@@ -196,10 +174,11 @@ class Continuous(SaveRule):
 
     max_overhead_percent: float = 10.0
     uses_time = True
-
-    def __post_init__(self) -> None:
-        value = _PERCENT.check(self.max_overhead_percent)
-        object.__setattr__(self, "max_overhead_percent", value)
+    _checks = {
+        "max_overhead_percent": Option(
+            "Continuous(max_overhead_percent)", "number", low=0, low_open=True, high=100
+        )
+    }
 
     def wants(self, moment: Moment) -> bool:
         if moment.in_flight:
@@ -210,13 +189,15 @@ class Continuous(SaveRule):
         return moment.last_blocking <= budget
 
 
-def _parts(cls: type, policies: tuple[Any, ...]) -> tuple[SaveRule, ...]:
-    if not policies:
-        raise OptionTypeError(f"{cls.__name__}() needs at least one save policy, found none")
-    out: list[SaveRule] = []
-    for i, p in enumerate(policies):
-        p = check_rule(p, f"{cls.__name__}(...) argument {i}")
-        out.extend(p.policies if type(p) is cls else (p,))  # a | b | c: one AnyOf
+def flattened(cls: type, parts: tuple[Any, ...], check: Any, what: str, attr: str) -> tuple:
+    """``cls``'s ``parts``, each checked (``check``), nested ``cls`` (its ``attr``)
+    flattened: ``a | b | c`` is one AnyOf (or KeepAny)."""
+    if not parts:
+        raise OptionTypeError(f"{cls.__name__}() needs at least one {what}, found none")
+    out: list = []
+    for i, p in enumerate(parts):
+        p = check(p, f"{cls.__name__}(...) argument {i}")
+        out.extend(getattr(p, attr) if type(p) is cls else (p,))
     return tuple(out)
 
 
@@ -227,7 +208,8 @@ class _Combined(SaveRule):
     policies: tuple[SaveRule, ...]
 
     def __init__(self, *policies: Any):
-        object.__setattr__(self, "policies", _parts(type(self), policies))
+        parts = flattened(type(self), policies, check_rule, "save policy", "policies")
+        object.__setattr__(self, "policies", parts)
 
     @property
     def uses_time(self) -> bool:  # type: ignore[override]
@@ -365,13 +347,80 @@ class SavePolicy(SaveRule):
         return self.rule.wants(moment)
 
 
+def _sync_manager_available() -> bool:
+    from jax._src.distributed import global_state  # private: read when called, not at import
+
+    return global_state.client is not None and global_state.preemption_sync_manager is not None
+
+
+class Preemption:
+    """Whether, and at which step, this run was asked to stop: :meth:`install` (main
+    thread), then :meth:`reached` once per step (training thread)."""
+
+    def __init__(self, mode: str):
+        self.mode = mode  # "signal" or "jax"
+        self.notified = False  # signal: SIGTERM arrived; jax: the agreed step came
+        self._asked: int | None = None  # the step asked last, and its answer
+        self._answer = False
+        self._previous: Any = None
+        self._installed = False
+
+    @classmethod
+    def install(cls) -> Preemption:
+        """Chooses and installs this process's way (every process calls it: the same way)."""
+        if _distributed.process_count() > 1:
+            if _sync_manager_available():
+                return cls("jax")
+            raise ValueError(
+                f"handle_sigterm=True with {_distributed.process_count()} processes needs "
+                "jax's preemption service, which is off (jax_enable_preemption_service=False "
+                "before jax.distributed.initialize): leave it on (every host then saves the "
+                "same step), or pass handle_sigterm=False and handle preemption yourself"
+            )
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError("handle_sigterm=True must be set from the main thread")
+        self = cls("signal")
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._installed = True
+        return self
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.notified = True
+
+    def reached(self, step: int) -> bool:
+        """True when ``step`` is the step to save before stopping. ``jax`` way: asks
+        jax once per new step (every process, every step, in order)."""
+        if self.mode == "signal":
+            return self.notified
+        if step == self._asked:
+            return self._answer
+        from jax.experimental import multihost_utils  # here: only a process that is asked
+
+        self._asked = step
+        self._answer = bool(multihost_utils.reached_preemption_sync_point(step))
+        if self._answer:
+            self.notified = True
+        return self._answer
+
+    def uninstall(self) -> None:
+        """Puts back the SIGTERM handler that was there before (``signal`` way).
+        Idempotent; a no-op off the main thread (the handler then stays)."""
+        if not self._installed:
+            return
+        try:
+            signal.signal(signal.SIGTERM, self._previous)
+        except ValueError:  # not on the main thread
+            return
+        self._installed = False
+
+
 FORCED = "forced"  # the label of a step saved whatever the policy says
 
 
 class SaveSchedule:
-    """``policy`` (rule objects) on its ``clock``, the last save's time and blocking
-    time, the notice. ``shares_time``: the decision and its time are the primary's even
-    when the policy does not use the time; ``context()``: ``(has_steps, in_flight)``."""
+    """``policy`` (rule objects) on its ``clock``, the last save, the notice;
+    ``shares_time``: the decision is the primary's even when the policy does not use the
+    time; ``context()``: ``(has_steps, in_flight)``."""
 
     def __init__(
         self,
@@ -389,30 +438,23 @@ class SaveSchedule:
         self._preemption_saved = False  # OnPreemption saves the agreed step once
         self.preemption_step: int | None = None  # the step saved for it (replicated)
         self.context = context
-        self.preemption: Preemption | None = None  # see preemption
+        self.preemption: Preemption | None = None
         self.stops = False  # handle_sigterm: the preemption step's save ends the run
-
-    @property
-    def watches_preemption(self) -> bool:
-        """Whether the policy saves on preemption (the manager installs the notice)."""
-        return self._rule.watches_preemption
 
     def watch(self, *, handle_sigterm: bool) -> None:
         """A writer's open (main thread): the preemption notice, when ``handle_sigterm``
         (its step then ends the run) or the policy saves on preemption."""
-        if handle_sigterm or self.watches_preemption:
+        if handle_sigterm or self._rule.watches_preemption:
             self.preemption = Preemption.install()
             self.stops = handle_sigterm
 
     def uninstall(self) -> None:
-        """The manager's close: the previous SIGTERM handler back (``handle_sigterm``)."""
         if self.preemption is not None:
             self.preemption.uninstall()
 
     def resume_clock(self, saved_at: Callable[[], float | None]) -> None:
         """A writer's open: with the default clock a time rule counts from the latest
-        step's save (``saved_at()``, wall time), so that a job restarted more often
-        than its interval still saves."""
+        step's save (``saved_at()``), so a job restarted often still saves."""
         if self._rule.uses_time and self.clock is time.monotonic and self._last_time is None:
             when = saved_at()
             if when is not None:
@@ -438,16 +480,13 @@ class SaveSchedule:
 
     @property
     def preempted(self) -> bool:
-        """True once SIGTERM arrived (see CheckpointManager.preempted)."""
         return self.preemption is not None and self.preemption.notified
 
     def preempted_at(self, step: int) -> bool:
-        """Whether ``step`` is to be saved before stopping; with several processes every
-        process asks for every step, in order."""
+        """Whether ``step`` is to be saved before stopping (every step, in order)."""
         return self.preemption is not None and self.preemption.reached(step)
 
     def should_save(self, step: int, t: float | None) -> bool:
-        """This process's view (see CheckpointManager.should_save)."""
         if self.stops and self.preempted_at(step):
             return True
         return self._rule.label(self._moment(step, t)) is not None
@@ -461,8 +500,7 @@ class SaveSchedule:
         region: _distributed.Region,
     ) -> tuple[str | None, float]:
         """``(label, now)``: the lane ``step`` is saved in (:data:`FORCED` when ``forced``)
-        or None, and the decision's time; a time-based one is the primary's, shared in
-        ``region``."""
+        or None, and the decision's time (a time-based one the primary's, shared)."""
         moment = self._moment(step, t)
         label = self._rule.label(moment)
         if forced and label is None:

@@ -4,12 +4,9 @@
 :meth:`Saver.check_new_step`, :func:`collect_items`, then :meth:`Saver.start` (every
 item's blocking phase, then one background :class:`SaveHandle` that writes, commits and
 does the bookkeeping). At most one save is in flight (:attr:`Saver.inflight`); its
-error is re-raised once, by :meth:`Saver.wait`.
-
-Its background phase is the step's one commit (:class:`StepCommit`, the steps of
-``_core.save.commit_collectively``: built on the training thread, run on the save's
-background thread by every process); a failure removes what this save wrote, never
-the step it replaced.
+error is re-raised once, by :meth:`Saver.wait`. Its background phase is the step's one
+commit (:class:`StepCommit`, run by every process); a failure removes what this save
+wrote, never the step it replaced.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.saving``.
 """
@@ -62,18 +59,6 @@ from .checkpointables import (
 from .events import SaveBlockingDone, SaveCommitted, SaveStarted, measure_stored
 from .retaining import RetentionRunner, StepBook
 
-__all__ = [
-    "OpenStep",
-    "Saver",
-    "StepCommit",
-    "abort_refused",
-    "abort_staged",
-    "checked_written",
-    "collect_items",
-    "start_item",
-    "wait_all",
-]
-
 _READ_FIRST = frozenset({"json", "step", "data_iterator"})  # checkpointable kinds read first
 
 logger = logging.getLogger("flax_orbax_plugin")
@@ -81,7 +66,11 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 def collect_items(state: Any, data_iterator: Any, extras: Any) -> dict[str, Any]:
     """The items of one save: ``state``'s, then the data iterator and the extras."""
-    items = dict(state) if _plain_items(state) else split_state(state)
+    plain = type(state) is dict and all(  # a dict of str names to plain values or arrays
+        type(k) is str and (type(v) in PLAIN_VALUE_TYPES or isinstance(v, np.ndarray | jax.Array))
+        for k, v in state.items()
+    )
+    items = dict(state) if plain else split_state(state)
     for name, value in (("data_iterator", data_iterator), ("extras", extras)):
         if value is not None:
             if name in items:
@@ -92,14 +81,6 @@ def collect_items(state: Any, data_iterator: Any, extras: Any) -> dict[str, Any]
     for name in items:
         check_item_name(name)
     return items
-
-
-def _plain_items(state: Any) -> bool:
-    """Whether ``state`` is a dict of str names to plain values or arrays (its own items)."""
-    return type(state) is dict and all(
-        type(k) is str and (type(v) in PLAIN_VALUE_TYPES or isinstance(v, np.ndarray | jax.Array))
-        for k, v in state.items()
-    )
 
 
 @dataclasses.dataclass
@@ -121,9 +102,8 @@ class OpenStep:
 
 
 class Saver:
-    """Saves steps into the manager's directory as its checked ``opts`` (a
-    ``ManagerOptions``) say: ``book``, the step records; ``retention``, told of each
-    commit; ``buffers``: host memory kept between saves (or None)."""
+    """Saves steps into the manager's directory as ``opts`` (a ``ManagerOptions``) say;
+    ``retention`` is told of each commit; ``buffers``: host memory kept between saves."""
 
     def __init__(
         self,
@@ -147,8 +127,7 @@ class Saver:
         self.starting = False  # in a save's blocking phase (see busy)
 
     def hold_views(self, step: Any) -> None:
-        """From now on saves hold CPU arrays as views and ``step`` (a ZeroCopyStep) is
-        told what each one holds. Training thread."""
+        """From now on saves hold CPU arrays as views, told to ``step`` (a ZeroCopyStep)."""
         if self._buffers is not None:
             self._buffers.clear()  # reserved before (on_train_start): not needed now
         self._buffers = None
@@ -194,12 +173,9 @@ class Saver:
                 handle.settle()
 
     def supersede(self, step: int) -> bool:
-        """Cancels the save in flight for ``step`` (``supersede=``): nothing of it commits,
-        what it staged is removed. Returns whether one was cancelled (False: none, or it
-        committed first); an error other than SaveCancelledError is raised.
-
-        Training thread, in place of :meth:`wait`; with several processes every process
-        calls it for the same ``step`` and the commit protocol makes one outcome."""
+        """Cancels the save in flight for ``step`` (``supersede=``); returns whether one
+        was (False: none, or it committed first). Training thread, in place of
+        :meth:`wait`; every process calls it for the same ``step``."""
         handle, self.inflight = self.inflight, None
         if handle is None:
             return False
@@ -215,10 +191,7 @@ class Saver:
         )
         return True
 
-    # -- before: the slot
-
     def _step_dir(self, step: int) -> Location:
-        """Where ``step`` (a checked int) is committed (``layout.step_dir``)."""
         return self._loc.child(_layout.step_dir(step))
 
     def check_new_step(self, step: int, overwrite: bool, region: _distributed.Region) -> list[int]:
@@ -244,8 +217,7 @@ class Saver:
         return local
 
     def reserve(self, like: Any) -> int:
-        """Sizes and populates the host buffers for one save of a state like ``like``;
-        returns the bytes allocated (0 without buffers)."""
+        """The host buffers sized and populated for one save like ``like``; bytes allocated."""
         if self._buffers is None:
             return 0
         own = self._book.per_host
@@ -257,8 +229,6 @@ class Saver:
             if hasattr(handler, "pool_sizes"):
                 sizes += handler.pool_sizes(value, request)
         return self._buffers.reserve(sizes)
-
-    # -- the save
 
     def start(
         self,
@@ -352,9 +322,8 @@ class Saver:
     def begin(
         self, step: int, local: list, region: _distributed.Region, budget: Any = None
     ) -> OpenStep:
-        """Opens ``step``'s staging and draws the request every item gets. Training
-        thread, in ``region``; then :meth:`save_items`, :meth:`commit` (or
-        :meth:`abort_alone`)."""
+        """Opens ``step``'s staging and its request (training thread, in ``region``);
+        then :meth:`save_items`, :meth:`commit` (or :meth:`abort_alone`)."""
         started = time.perf_counter()
         final = self._step_dir(step)
         own = self._book.per_host
@@ -408,9 +377,8 @@ class Saver:
     def save_items(
         self, opened: OpenStep, items: dict, *, budget: Any = None
     ) -> dict[str, Pending]:
-        """The blocking phase of each of ``items`` into ``opened``'s staging, each handed
-        the step's request; returns their pendings (also added to ``opened``). On an
-        error every write started is waited for, then it is raised."""
+        """The blocking phase of each of ``items`` into ``opened``'s staging; returns their
+        pendings (also added to ``opened``); on an error, every write started is waited for."""
         staging, request = opened.staging, opened.request
         if budget is not None:
             request = request.replace(host_memory_budget=budget)
@@ -436,7 +404,14 @@ class Saver:
                     opened.reuses.append(reuse)
                     item_request = request.replace(reuse=reuse)
                 target = staging.location.child(dirs[name])
-                pendings[name] = start_item(name, handlers[name], target, value, item_request)
+                pending = handlers[name].save(target, value, item_request)
+                if not callable(getattr(pending, "wait", None)):
+                    raise CheckpointError(
+                        f"item {name!r}: {type(handlers[name]).__name__}.save returned "
+                        f"{found(pending)}; a checkpointable's save must return a Pending "
+                        f"(an object with wait())"
+                    )
+                pendings[name] = pending
             pendings = {n: pendings[n] for n in items}  # the items' own order again
         except BaseException as e:
             wait_all(pendings.values())
@@ -447,10 +422,20 @@ class Saver:
         return pendings
 
     def abort_alone(self, opened: OpenStep) -> None:
-        """Removes what ``opened`` staged where this process alone writes there; a shared
-        directory stays (other processes' writes may land in it) for the next open or gc."""
-        if opened.staging.own or _distributed.process_count() == 1:
-            abort_refused(opened.staging, opened.replace, opened.dirs)
+        """Removes what ``opened`` staged where this process alone writes there (a shared
+        directory stays for the next open or gc); a failed removal is a WARNING."""
+        if not (opened.staging.own or _distributed.process_count() == 1):
+            return
+        try:
+            abort_staged(opened.staging, opened.replace, opened.dirs)
+        except Exception as e:  # noqa: BLE001  (the refusal is the error)
+            logger.warning(
+                "checkpoint: a save into %s was refused, and removing what it staged failed "
+                "(%s: %s); the next writer's open or gc() removes it",
+                opened.staging.final,
+                type(e).__name__,
+                e,
+            )
 
     def _background(
         self,
@@ -509,29 +494,6 @@ def wait_all(pendings: Iterable[Pending], *, raise_first: bool = False) -> list[
     if raise_first and first is not None:
         raise first
     return results
-
-
-def start_item(
-    name: str, handler: Checkpointable, directory: Location, value: Any, request: SaveRequest
-) -> Pending:
-    """``handler.save(...)`` of item ``name``, its return checked to be a Pending."""
-    pending = handler.save(directory, value, request)
-    if not callable(getattr(pending, "wait", None)):
-        raise CheckpointError(
-            f"item {name!r}: {type(handler).__name__}.save returned {found(pending)}; "
-            f"a checkpointable's save must return a Pending (an object with wait())"
-        )
-    return pending
-
-
-def checked_written(name: str, result: Any) -> Written | None:
-    """What item ``name``'s ``Pending.wait()`` returned, checked: a Written or None."""
-    if result is not None and not isinstance(result, Written):
-        raise CheckpointError(
-            f"item {name!r}: Pending.wait() returned {found(result)}; expected "
-            f"fop.Written(bytes_written, files) or None"
-        )
-    return result
 
 
 class StepCommit:
@@ -635,7 +597,12 @@ class StepCommit:
         results = wait_all(self._pendings.values(), raise_first=True)
         raise_if_cancelled(self._cancelled, f"step {self._step} of {self._loc}")
         for name, result in zip(self._pendings, results, strict=True):
-            if checked_written(name, result) is not None:
+            if result is not None and not isinstance(result, Written):
+                raise CheckpointError(
+                    f"item {name!r}: Pending.wait() returned {found(result)}; expected "
+                    f"fop.Written(bytes_written, files) or None"
+                )
+            if result is not None:
                 total += result.bytes_written
                 reused += result.bytes_reused
                 d = self._entries[name].dir
@@ -658,9 +625,8 @@ class StepCommit:
             names = ", ".join(repr(n) for n in sorted(empty))
             raise CheckpointError(
                 f"step {self._step} of {self._loc}: checkpointable {names} wrote nothing into "
-                f"process {_distributed.process_index()}'s own directory; with a directory "
-                f"per host every process must write every item (write on every process, "
-                f"not only on process 0), or use a directory every host shares"
+                f"process {_distributed.process_index()}'s own directory; with a directory per "
+                f"host every process must write every item, or use a directory hosts share"
             )
 
     def _publish(self, files: dict[str, str]) -> None:
@@ -695,21 +661,6 @@ class StepCommit:
 
     def _abort(self) -> None:
         abort_staged(self._staging, self._replace, {n: e.dir for n, e in self._entries.items()})
-
-
-def abort_refused(staging: Staging, replace: bool, dirs: Mapping[str, str]) -> None:
-    """:func:`abort_staged` for a save refused in its blocking phase: a removal that
-    fails is a WARNING (the refusal stays the error)."""
-    try:
-        abort_staged(staging, replace, dirs)
-    except Exception as e:  # noqa: BLE001  (the refusal is the error)
-        logger.warning(
-            "checkpoint: a save into %s was refused, and removing what it staged failed "
-            "(%s: %s); the next writer's open or gc() removes it",
-            staging.final,
-            type(e).__name__,
-            e,
-        )
 
 
 def abort_staged(staging: Staging, replace: bool, dirs: Mapping[str, str]) -> None:

@@ -23,8 +23,6 @@ from .._incremental import reuse as _reuse
 from .checkpointables import check_item_name
 from .saving import OpenStep, Saver, wait_all
 
-__all__ = ["StepParts", "checked_expect"]
-
 logger = logging.getLogger("flax_orbax_plugin")
 
 

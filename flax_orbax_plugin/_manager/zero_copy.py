@@ -22,12 +22,10 @@ import jax.numpy as jnp
 from .._core import host_snapshot as _host_snapshot
 from .._errors import CheckpointError, OptionError, OptionTypeError
 
-__all__ = ["HostMemory", "ZeroCopyStep"]
 
-
-def _argnums(value: int | Sequence[int], name: str) -> tuple[int, ...]:
-    """``value`` as a sorted tuple of distinct non-negative ints, else OptionTypeError
-    (a bool too) or OptionError (a negative position)."""
+def _argnums(value: int | Sequence[int], name: str, fn: Callable) -> tuple[int, ...]:
+    """``value`` as a sorted tuple of distinct non-negative ints, positions ``fn`` takes,
+    else OptionTypeError (a bool too) or OptionError (a negative or missing position)."""
     found = f"found {value!r:.60} ({type(value).__name__})"
     items = (value,) if isinstance(value, int) or hasattr(type(value), "__index__") else value
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence | set | frozenset):
@@ -40,6 +38,15 @@ def _argnums(value: int | Sequence[int], name: str) -> tuple[int, ...]:
         raise OptionTypeError(f"wrap_step: {name} must be an int or ints, {found}") from None
     if any(v < 0 for v in out):
         raise OptionError(f"wrap_step: {name} must be non-negative positions, found {value!r}")
+    params = _parameters(fn)
+    if params is None or not out or any(p.kind == p.VAR_POSITIONAL for p in params):
+        return out  # no signature to read, or *args: the call says
+    count = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    if max(out) >= count:
+        raise OptionError(
+            f"wrap_step: {name}={out} names argument {max(out)}, but "
+            f"{getattr(fn, '__name__', fn)!r} takes {count} positional argument(s)"
+        )
     return out
 
 
@@ -78,20 +85,6 @@ def _parameters(fn: Callable) -> list[inspect.Parameter] | None:
         return None
 
 
-def _check_positions(fn: Callable, positions: tuple[int, ...], name: str) -> None:
-    """OptionError when ``fn``'s signature takes fewer positional arguments than
-    ``positions`` name (none to read, or ``*args``: the call says)."""
-    params = _parameters(fn)
-    if params is None or not positions or any(p.kind == p.VAR_POSITIONAL for p in params):
-        return
-    count = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
-    if max(positions) >= count:
-        raise OptionError(
-            f"wrap_step: {name}={positions} names argument {max(positions)}, but "
-            f"{getattr(fn, '__name__', fn)!r} takes {count} positional argument(s)"
-        )
-
-
 def _on_cpu(x: Any) -> bool:
     return isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set)
 
@@ -123,12 +116,10 @@ class ZeroCopyStep:
         if not callable(fn):
             raise TypeError(f"wrap_step: expected the training step function, found {fn!r}")
         self._fn = fn
-        self._donate = _argnums(donate_argnums, "donate_argnums")
+        self._donate = _argnums(donate_argnums, "donate_argnums", fn)
         if not self._donate:
             raise OptionError("wrap_step: donate_argnums must name the state argument(s)")
-        _check_positions(fn, self._donate, "donate_argnums")
-        self._static = _argnums(static_argnums, "static_argnums")
-        _check_positions(fn, self._static, "static_argnums")
+        self._static = _argnums(static_argnums, "static_argnums", fn)
         if set(self._static) & set(self._donate):
             raise OptionError(
                 f"wrap_step: an argument cannot be both static and donated "
@@ -152,8 +143,6 @@ class ZeroCopyStep:
         self.spare_calls = 0
         self.fresh_calls = 0
 
-    # -- told by the manager (training thread)
-
     def saved(self, items: dict[str, Any], handle: Any) -> None:
         """A save of ``items`` (``handle``) returned from its blocking phase: its CPU
         arrays are held as views until its writes are done."""
@@ -162,8 +151,6 @@ class ZeroCopyStep:
         leaves = jax.tree_util.tree_leaves(items)
         self._held = {id(x): x for x in leaves if _on_cpu(x)}
         self._held_save = handle
-
-    # -- the step
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._checked:  # the first call: what the state arguments are
@@ -256,10 +243,9 @@ class ZeroCopyStep:
         for value in (args[i] for i in self._donate):
             if isinstance(value, base):
                 raise TypeError(
-                    f"wrap_step: the state argument is an NNX {type(value).__name__}, "
-                    f"which nnx.jit updates in place; wrap_step takes functional steps "
-                    f"over pytrees (a Linen TrainState, tuples or dicts of arrays). Save "
-                    f"NNX state with the manager as usual (its host buffers)"
+                    f"wrap_step: the state argument is an NNX {type(value).__name__}, which "
+                    f"nnx.jit updates in place; wrap_step takes functional steps over pytrees "
+                    f"(a Linen TrainState, tuples or dicts of arrays): save NNX state as usual"
                 )
 
 
@@ -302,57 +288,11 @@ def _check_aliased(wanted: set[int], keys: list[tuple], inputs: set[int], out: A
     what = ", ".join(f"{path} {tuple(x.shape)} {x.dtype}" for path, x in missed[:5])
     raise CheckpointError(
         f"wrap_step: the step after a save did not write into the spare buffers it was "
-        f"given: {len(missed)} outputs in fresh memory ({what}) while spare buffers of "
-        f"their shapes went unused. jax must be able to donate on this platform, the "
-        f"outputs must keep the state's shardings, and nothing else may hold the spare "
-        f"(call the manager's saves and the wrapped step from one thread)"
+        f"given: {len(missed)} outputs in fresh memory ({what}). jax must donate on this "
+        f"platform, the outputs keep the state's shardings, and nothing else may hold the "
+        f"spare (call the manager's saves and the wrapped step from one thread)"
     )
 
 
 def _key(x: jax.Array) -> tuple:
     return (tuple(x.shape), str(x.dtype))
-
-
-class HostMemory:  # the manager's reserve and wrap_step (its _saver and _check_writable)
-    def reserve(self, like: Any) -> int:
-        """Allocates and populates (``MADV_POPULATE_WRITE``) the host buffers one save of
-        ``like`` (the state, or ShapeDtypeStructs on one device) copies into: the first
-        save costs what a steady one does. Returns the bytes allocated (0 once
-        :meth:`wrap_step` was called: saves then copy nothing). Training thread, before
-        the loop (``CheckpointCallback.on_train_start`` calls it); read-only: refused."""
-        self._check_writable()  # type: ignore[attr-defined]
-        return self._saver.reserve(like)  # type: ignore[attr-defined]
-
-    def wrap_step(
-        self,
-        fn: Callable,
-        *,
-        donate_argnums: int | Sequence[int] = 0,
-        static_argnums: int | Sequence[int] = (),
-        static_argnames: str | Sequence[str] = (),
-    ) -> ZeroCopyStep:
-        """``fn`` as a jitted step that never needs a copy of what this manager saves
-        (``_manager/zero_copy.py``): ``step = mngr.wrap_step(train_step,
-        donate_argnums=0)``, then ``state, metrics = step(state, batch)``.
-
-        From this call on, the manager's saves keep the state's CPU arrays as zero-copy
-        views (no host buffers, nothing copied in the blocking phase), and the step
-        right after a save writes its outputs into the previous save's arrays instead
-        of donating the ones being written. Call on the training thread.
-
-        Not recommended for speed: measured on CPU (1.2 GB state, a save every 10 of 60
-        steps, `benchmarks/results/train_zero_copy_0.6.md`) its loop took 1.31x the run
-        without saves against 1.26x with ``reuse_host_buffers=True``: its blocking phase
-        is shorter (23 ms against 120 ms) but every step ran slower (0.30 s against 0.27
-        s median), two states held and the spare's variant competing with the writer.
-        It saves host memory between saves against the pool; on accelerators the device
-        staging makes it moot."""
-        self._check_writable()  # type: ignore[attr-defined]
-        step = ZeroCopyStep(
-            fn,
-            donate_argnums=donate_argnums,
-            static_argnums=static_argnums,
-            static_argnames=static_argnames,
-        )
-        self._saver.hold_views(step)  # type: ignore[attr-defined]
-        return step

@@ -153,7 +153,7 @@ def test_restore_orbax_checks_its_options_by_kind(tmp_path):
 def test_processes_compare_a_range_of_steps_by_its_bounds():
     """The options every process must share are compared as JSON: a range is its
     bounds (it compared as {'type': 'range'}, equal whatever its steps)."""
-    from flax_orbax_plugin._manager.agreement import _describe
+    from flax_orbax_plugin._manager.housekeeping import _describe
 
     one = _describe(fop.SavePolicy(steps=range(0, 100, 7)))
     assert one != _describe(fop.SavePolicy(steps=range(0, 100, 5)))

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._manager.agreement import shared_view
+from flax_orbax_plugin._manager.housekeeping import shared_view
 from flax_orbax_plugin._manager.options import ManagerOptions
 from flax_orbax_plugin._manager.retention import StepFacts
 from flax_orbax_plugin._manager.save_rules import Moment

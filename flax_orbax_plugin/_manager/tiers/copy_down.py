@@ -22,10 +22,9 @@ from ..._core.save import Staging
 from ..._core.verify import verify_step, window_bytes
 from ..._errors import CheckpointError, CorruptCheckpointError, ForeignEntryError
 from ..._format import steps as _steps
-from ..._format.layout import MANIFEST_FILE
+from ..._format.layout import HOST_FILE, MANIFEST_FILE
 from ..._storage import local_files as _local_files
 from ..._storage.location import Location
-from ..per_host import HOST_FILE
 from . import files as _files
 from .state import Places, TierState
 

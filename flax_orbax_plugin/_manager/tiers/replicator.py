@@ -31,9 +31,8 @@ from ..._errors import (
     ReplicationError,
 )
 from ..._format import steps as _steps
-from ..._format.layout import MANIFEST_FILE, StepManifest
+from ..._format.layout import HOST_FILE, MANIFEST_FILE, StepManifest
 from ..events import StepReplicated, measure_stored
-from ..per_host import HOST_FILE
 from ..retention import steps_to_delete
 from . import files as _files
 from .copy_down import DamagedSteps
