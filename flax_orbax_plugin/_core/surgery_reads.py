@@ -11,7 +11,7 @@ import numpy as np
 
 from .._format import layout as _layout
 from .._format.layout import ArrayStorage
-from .._like.surgery_plan import Piece
+from .._like.surgery import Piece
 from .._zarr import subbyte as _subbyte
 from .reads import ReadInto, Target, make_target, read_slice
 
