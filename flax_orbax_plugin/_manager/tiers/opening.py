@@ -13,7 +13,7 @@ from ..._base import distributed as _distributed
 from ..._errors import CheckpointError, DirectoryLockedError
 from ..._format import steps as _steps
 from ..._format.foreign import foreign_run
-from ..._storage import run_owner as _run_owner
+from ..._storage import lease as _lease
 from .damaged import DamagedSteps
 from .replicator import remove_unfinished
 from .rounds import Rounds
@@ -42,7 +42,7 @@ def open_primary(
                 f"own run there; convert them first (`flax-orbax import`), or give the "
                 f"tier a path of its own"
             )
-        state.owner = _run_owner.RunOwner(
+        state.owner = _lease.RunOwner(
             places.local,
             places.remote,
             lease_seconds=lease_seconds,
