@@ -111,12 +111,6 @@ def read_versioned(loc: Location) -> tuple[RunRecord | None, Any]:
     return record, generation
 
 
-def write_if(loc: Location, record: RunRecord, generation: Any) -> Any | None:
-    """Object stores: writes ``record`` only if the stored generation is still
-    ``generation``; returns the new generation, or None when someone wrote meanwhile."""
-    return loc.write_if(RUN_FILE, record.to_bytes(), generation)
-
-
 LEASE_SECONDS = 60.0
 MIN_LEASE_SECONDS = 1.0  # renewed every third of it: one conditional write (and read) each
 MAX_LEASE_SECONDS = 366 * 86400.0  # a lease is renewed every third of it: a year is plenty
@@ -227,16 +221,19 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def record(self, *, expires: float | None = None) -> RunRecord:
-        """This holder's record, its lease ending ``expires`` (default: a lease from now)."""
+    def _write(self, generation: Any, *, expires: float | None = None) -> Any | None:
+        """This holder's record (its lease ending ``expires``, default: a lease from now)
+        written only if the stored generation is still ``generation``: the new
+        generation, or None when someone wrote meanwhile."""
         expires = time.time() + self.seconds if expires is None else expires
-        return RunRecord.here(self.run, self.holder, expires)
+        record = RunRecord.here(self.run, self.holder, expires)
+        return self.loc.write_if(RUN_FILE, record.to_bytes(), generation)
 
     def take(self, generation: Any) -> None:
         """Writes this holder's record if ``loc``'s is still at ``generation`` (read and
         checked with :func:`settle`), then renews it; DirectoryLockedError naming the
         one who wrote in between."""
-        new = write_if(self.loc, self.record(), generation)
+        new = self._write(generation)
         if new is None:
             theirs, _ = read_versioned(self.loc)
             if theirs is None:  # S3 reads a missing bucket as a missing key: this raises
@@ -265,7 +262,7 @@ class Lease:
             lost = self._lost
         if generation is not None and lost is None:
             try:
-                write_if(self.loc, self.record(expires=0.0), generation)
+                self._write(generation, expires=0.0)
             except Exception as e:  # noqa: BLE001  (the lease then expires by itself)
                 logger.warning("checkpoint: could not release the lease on %s: %s", self.loc, e)
 
@@ -291,7 +288,7 @@ class Lease:
             generation = self._generation
             if generation is None:
                 return
-            new = write_if(self.loc, self.record(), generation)
+            new = self._write(generation)
             if new is not None:
                 self._generation = new
                 return
