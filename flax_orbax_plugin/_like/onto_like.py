@@ -342,6 +342,12 @@ def describe(x: Any) -> str:
     return type(x).__name__
 
 
+_LINEN = (
+    " (Linen's state.params is {'params': ...} itself, and a manager reads a dict like as "
+    "{item: like}: pass like={'params': state.params}, or the TrainState)"
+)
+
+
 def near_miss(path: str, stored: Collection[str]) -> str:
     """Words to add where like's leaf ``path`` is missing from ``stored`` (the saved
     paths) that hold it one level off (NNX's ``/value``, under a key); else ""."""
@@ -361,13 +367,7 @@ def near_miss(path: str, stored: Collection[str]) -> str:
             return f"; it holds {saved!r}, below like's leaf"
         if saved.endswith("/" + path):
             under = saved[: -len(path) - 1]
-            linen = (
-                " (Linen's state.params is {'params': ...} itself, and a manager reads a "
-                "dict like as {item: like}: pass like={'params': state.params}, or the "
-                "TrainState)"
-                if under == "params"
-                else ""
-            )
+            linen = _LINEN if under == "params" else ""
             return f"; it holds {saved!r}: like is the tree under {under!r}{linen}"
     return ""
 
@@ -661,8 +661,7 @@ def _some(paths: list[str]) -> str:
     if not paths:
         return "none"
     shown = ", ".join(repr(p) for p in paths[:PATHS_SHOWN])
-    more = len(paths) - PATHS_SHOWN
-    return shown + (f" ... ({len(paths)} in all)" if more > 0 else "")
+    return shown + (f" ... ({len(paths)} in all)" if len(paths) > PATHS_SHOWN else "")
 
 
 def _renamed(message: str, saved: str, path: str) -> str:
