@@ -221,23 +221,10 @@ def require_regular(st: os.stat_result, path: str, *, allow_dir: bool = False) -
     )
 
 
-def read_all(fd: int, size: int, path: str, max_bytes: int | None, *, what: str) -> bytes:
-    """The rest of the open file ``fd`` (``size`` bytes by its ``fstat``), refused above
-    ``max_bytes`` (None: no cap) before reading, then while reading (it may grow)."""
-    chunks, total = [], 0
-    while True:
-        check_size(max(size, total), path, max_bytes, what=what)
-        want = 1 << 24 if max_bytes is None else min(1 << 24, max_bytes + 1 - total)
-        if not (chunk := os.read(fd, want)):
-            return b"".join(chunks)
-        chunks.append(chunk)
-        total += len(chunk)
-
-
-def check_size(size: int, path: str, max_bytes: int | None, *, what: str = "small file") -> None:
+def check_size(size: int, path: str, max_bytes: int | None = MAX_DOCUMENT_BYTES) -> None:
     if max_bytes is not None and size > max_bytes:
         raise CorruptCheckpointError(
-            f"{path}: expected a {what} of at most {max_bytes} bytes, found {size} bytes"
+            f"{path}: expected a small file of at most {max_bytes} bytes, found {size} bytes"
         )
 
 
@@ -322,8 +309,15 @@ def read_file(root: str, name: str, max_bytes: int | None) -> bytes | None:
     if opened is None:
         return None
     fd, st = opened
+    path, chunks, total = os.path.join(root, name), [], 0
     try:
-        return read_all(fd, st.st_size, os.path.join(root, name), max_bytes, what="small file")
+        while True:  # the file may grow after fstat: read at most the cap (+1 to notice)
+            check_size(max(st.st_size, total), path, max_bytes)
+            want = 1 << 24 if max_bytes is None else min(1 << 24, max_bytes + 1 - total)
+            if not (chunk := os.read(fd, want)):
+                return b"".join(chunks)
+            chunks.append(chunk)
+            total += len(chunk)
     finally:
         os.close(fd)
 
