@@ -39,8 +39,7 @@ from ._interop.importing import import_msgpack, import_orbax
 from ._interop.msgpack_reader import restore_msgpack
 from ._interop.orbax_reader import restore_orbax
 from ._interop.safetensors import from_safetensors, to_safetensors
-from ._like.surgery_ops import Fuse, Rename, Split, Stack, Transpose, Unstack
-from ._like.surgery_plan import PlanEntry, RestorePlan
+from ._like.surgery import Fuse, PlanEntry, Rename, RestorePlan, Split, Stack, Transpose, Unstack
 from ._manager.callback import CheckpointCallback
 from ._manager.checkpointables import Checkpointable, Pending, ReadRequest, SaveRequest, Written
 from ._manager.events import (

@@ -34,8 +34,7 @@ from .._format.layout import ArrayStorage, BatchRecord, BatchStorage, Checkpoint
 from .._format.steps import STEP_OR_NONE, read_document
 from .._like import onto_like as _onto_like
 from .._like import surgery as _surgery
-from .._like import surgery_mirrors as _surgery_mirrors
-from .._like.surgery_plan import PlanEntry, RestorePlan, full_box
+from .._like.surgery import PlanEntry, RestorePlan, full_box
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
@@ -577,7 +576,7 @@ def _read_onto_like(
     if opts.surgery:
         ops = opts.surgery
         if opts.surgery_mirrored:  # an optimizer state: the ops at each mirror of params
-            ops = _surgery_mirrors.mirrored(ops, records)
+            ops = _surgery.mirrored(ops, records)
         records, made, problems = _surgery.apply(records, ops)
     add_missing_empties(flat, records)
     plan = _onto_like.match(

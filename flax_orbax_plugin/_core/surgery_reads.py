@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from .._format.layout import ArrayStorage
-from .._like.surgery_plan import Piece
+from .._like.surgery import Piece
 from .._zarr import subbyte as _subbyte
 from .reads import Target, make_target, read_slice
 

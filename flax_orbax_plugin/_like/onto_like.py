@@ -38,43 +38,25 @@ CAST_POLICIES = ("safe", "unsafe")
 def _category(dtype: np.dtype) -> str:
     if dtype == np.bool_:
         return "bool"
-    if dtype.kind == "c":
-        return "complex"
-    if dtype.kind == "f" or _is_ml_float(dtype):
-        return "float"
-    if dtype.kind in "iu" or _is_ml_int(dtype):
-        return "int"
+    if dtype.kind in "cfiu":
+        return {"c": "complex", "f": "float", "i": "int", "u": "int"}[dtype.kind]
+    for info, name in ((ml_dtypes.finfo, "float"), (ml_dtypes.iinfo, "int")):  # ml_dtypes'
+        try:
+            info(dtype)
+        except (ValueError, TypeError):
+            continue
+        return name
     return "other"
 
 
-def _is_ml_float(dtype: np.dtype) -> bool:
-    try:
-        ml_dtypes.finfo(dtype)
-    except (ValueError, TypeError):
-        return False
-    return dtype.kind == "V"
-
-
-def _is_ml_int(dtype: np.dtype) -> bool:
-    try:
-        ml_dtypes.iinfo(dtype)
-    except (ValueError, TypeError):
-        return False
-    return True
-
-
 def _first(values: np.ndarray, bad: np.ndarray | None = None) -> Any:
+    """The first value of ``values`` (where ``bad``, if given) as a Python number; None
+    where there is none."""
     flat = values.reshape(-1)
-    if bad is not None:
-        index = int(np.argmax(bad.reshape(-1)))
-        return flat[index].item() if flat.dtype.kind in "biufc" else float(flat[index])
-    if flat.size == 0:
+    if flat.size == 0 or (bad is not None and not bad.any()):
         return None
-    return flat[0].item() if flat.dtype.kind in "biufc" else float(flat[0])
-
-
-def _changed(values: np.ndarray, changed: np.ndarray) -> Any:
-    return _first(values, changed) if changed.any() else None
+    x = flat[0 if bad is None else int(np.argmax(bad.reshape(-1)))]
+    return x.item() if flat.dtype.kind in "biufc" else float(x)
 
 
 ADVICE = "pass cast='unsafe' to cast anyway"  # the end of each refusal (readers' own: onto_like)
@@ -97,7 +79,10 @@ def _float_changes(x: np.ndarray, dst: np.dtype) -> np.ndarray | None:
     back = x.astype(dst).astype(orig.dtype)
     finite = np.isfinite(orig)
     bad = finite & ~np.isfinite(back)
-    bad |= finite & (np.abs(orig.astype(np.float64)) >= _overflow_at(dst))
+    info = ml_dtypes.finfo(dst)  # half a step past dst's largest, a value rounds past it
+    largest = float(info.max)
+    overflow = largest + 2.0 ** (np.floor(np.log2(largest)) - int(info.nmant)) / 2
+    bad |= finite & (np.abs(orig.astype(np.float64)) >= overflow)
     if not finite.all():  # inf must stay the same inf, NaN stay NaN
         nan = np.isnan(orig)
         bad |= (nan & ~np.isnan(back)) | (~finite & ~nan & (back != orig))
@@ -110,13 +95,6 @@ def _holds_bools(dst: np.dtype) -> bool:
     with np.errstate(all="ignore"):
         back = np.array([0, 1], np.uint8).astype(dst).astype(np.float64)
     return back.tolist() == [0.0, 1.0]
-
-
-def _overflow_at(dst: np.dtype) -> float:
-    """The magnitude from which a value rounds past ``dst``'s largest (plus half a step)."""
-    info = ml_dtypes.finfo(dst)
-    largest = float(info.max)
-    return largest + 2.0 ** (np.floor(np.log2(largest)) - int(info.nmant)) / 2
 
 
 def check_tree(host: Any, target: Any, *, cast: str) -> None:
@@ -179,14 +157,14 @@ def check(path: str, host: np.ndarray, out_dtype: Any, *, cast: str = "safe") ->
     with np.errstate(all="ignore"):
         if b == "bool":
             why = "a cast to bool is refused (it turns every nonzero value into True)"
-            raise _fail(path, src, dst, why, _changed(host, (host != 0) & (host != 1)))
+            raise _fail(path, src, dst, why, _first(host, (host != 0) & (host != 1)))
         if a == "complex" and b != "complex":
             why = "a cast from complex to real is refused (it drops the imaginary part)"
-            raise _fail(path, src, dst, why, _changed(host, np.imag(host) != 0))
+            raise _fail(path, src, dst, why, _first(host, np.imag(host) != 0))
         if a == "float" and b == "int":
             why = "a cast from float to integer is refused (it truncates)"
             wide = host.astype(np.float64)  # (ml_dtypes floats too)
-            raise _fail(path, src, dst, why, _changed(host, ~np.isfinite(wide) | (wide % 1 != 0)))
+            raise _fail(path, src, dst, why, _first(host, ~np.isfinite(wide) | (wide % 1 != 0)))
     if "other" in (a, b):
         raise _fail(path, src, dst, "no checked cast between these dtypes", None)
     with np.errstate(all="ignore"):
@@ -204,20 +182,12 @@ def check(path: str, host: np.ndarray, out_dtype: Any, *, cast: str = "safe") ->
             part = np.asarray(part)
             bad = _float_changes(part, target)
             if bad is not None:
-                raise _fail(
-                    path, src, dst, "a value overflows or is not representable", _first(part, bad)
-                )
-
-
-def _iinfo(dtype: np.dtype):
-    try:
-        return np.iinfo(dtype)
-    except ValueError:
-        return ml_dtypes.iinfo(dtype)
+                why = "a value overflows or is not representable"
+                raise _fail(path, src, dst, why, _first(part, bad))
 
 
 def _check_int_range(path: str, values: np.ndarray, src: np.dtype, dst: np.dtype) -> None:
-    have, want = np.iinfo(values.dtype), _iinfo(dst)
+    have, want = np.iinfo(values.dtype), ml_dtypes.iinfo(dst)
     lo, hi = max(int(want.min), int(have.min)), min(int(want.max), int(have.max))
     if lo == int(have.min) and hi == int(have.max):
         return  # every value of the saved dtype fits
@@ -264,9 +234,8 @@ def retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
     (one, or a pytree); a numpy leaf with no sharding stays a numpy template."""
     dtype = checked_dtype(dtype)
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves = [leaf for _, leaf in with_paths]
     if sharding is None or isinstance(sharding, jax.sharding.Sharding):
-        shardings = [sharding] * len(leaves)
+        shardings = [sharding] * len(with_paths)
     else:
         try:
             shardings = treedef.flatten_up_to(sharding)
@@ -291,10 +260,8 @@ def retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
         if sh is None and isinstance(leaf, np.ndarray | np.generic):
             out.append(_on_host(leaf, dt))  # asked for on the host: stays numpy, its dtype
             continue
-        if sh is None:
-            sh = getattr(leaf, "sharding", None)
-            if sh is not None and not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
-                sh = None
+        if sh is None and isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
+            sh = leaf.sharding
         try:
             if isinstance(sh, jax.sharding.Sharding):
                 sh.shard_shape(tuple(leaf.shape))  # one that cannot hold it: named here
@@ -308,11 +275,10 @@ def retarget(tree: Any, dtype: Any, sharding: Any) -> Any:
 
 
 def _on_device(dtype: Any) -> Any:
-    """The dtype a device array of ``dtype`` holds (int64 is int32 without x64), so the
-    checked cast refuses a value the narrower dtype cannot hold."""
-    if _is_extended(dtype):
-        return dtype  # a PRNG key's dtype: its own
-    return jax.dtypes.canonicalize_dtype(dtype)
+    """The dtype a device array of ``dtype`` holds (int64 is int32 without x64; a PRNG
+    key's, its own), so the checked cast refuses a value the narrower dtype cannot hold."""
+    extended = jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+    return dtype if extended else jax.dtypes.canonicalize_dtype(dtype)
 
 
 def _on_host(leaf: np.ndarray | np.generic, dtype: Any) -> np.ndarray | np.generic:
@@ -376,6 +342,12 @@ def describe(x: Any) -> str:
     return type(x).__name__
 
 
+_LINEN = (
+    " (Linen's state.params is {'params': ...} itself, and a manager reads a dict like as "
+    "{item: like}: pass like={'params': state.params}, or the TrainState)"
+)
+
+
 def near_miss(path: str, stored: Collection[str]) -> str:
     """Words to add where like's leaf ``path`` is missing from ``stored`` (the saved
     paths) that hold it one level off (NNX's ``/value``, under a key); else ""."""
@@ -395,13 +367,7 @@ def near_miss(path: str, stored: Collection[str]) -> str:
             return f"; it holds {saved!r}, below like's leaf"
         if saved.endswith("/" + path):
             under = saved[: -len(path) - 1]
-            linen = (
-                " (Linen's state.params is {'params': ...} itself, and a manager reads a "
-                "dict like as {item: like}: pass like={'params': state.params}, or the "
-                "TrainState)"
-                if under == "params"
-                else ""
-            )
+            linen = _LINEN if under == "params" else ""
             return f"; it holds {saved!r}: like is the tree under {under!r}{linen}"
     return ""
 
@@ -440,19 +406,14 @@ def template_of(path: str, like: Any) -> tuple[tuple[int, ...], Any]:
     """(shape, dtype) a leaf of ``like`` asks for; StructureError for a non-array."""
     if isinstance(like, (bool, int, float, complex)):
         return (), np.asarray(like).dtype
-    if isinstance(like, jax.ShapeDtypeStruct) and not _is_extended(like.dtype):
-        # what jax will hold (int64 is int32 without x64): a value it cannot is refused
-        return tuple(like.shape), jax.dtypes.canonicalize_dtype(like.dtype)
+    if isinstance(like, jax.ShapeDtypeStruct):  # what jax will hold
+        return tuple(like.shape), _on_device(like.dtype)
     if isinstance(like, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
         return tuple(like.shape), like.dtype
     raise StructureError(
         f"leaf {path!r}: expected like to hold an array, ShapeDtypeStruct, scalar or None, "
         f"found {type(like).__name__}"
     )
-
-
-def _is_extended(dtype: Any) -> bool:
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
 MISSING_CHOICES = ("error", "keep", "keep_all")
@@ -700,8 +661,7 @@ def _some(paths: list[str]) -> str:
     if not paths:
         return "none"
     shown = ", ".join(repr(p) for p in paths[:PATHS_SHOWN])
-    more = len(paths) - PATHS_SHOWN
-    return shown + (f" ... ({len(paths)} in all)" if more > 0 else "")
+    return shown + (f" ... ({len(paths)} in all)" if len(paths) > PATHS_SHOWN else "")
 
 
 def _renamed(message: str, saved: str, path: str) -> str:

@@ -15,15 +15,7 @@ import jax
 import numpy as np
 
 from .._errors import StructureError
-from .onto_like import (
-    _is_float,
-    check,
-    describe,
-    is_key_dtype,
-    is_lossless,
-    template_of,
-    with_advice,
-)
+from .onto_like import _is_float, check, describe, is_key_dtype, is_lossless, template_of
 
 Reader = Callable[[tuple[slice, ...]], np.ndarray]
 
@@ -41,7 +33,6 @@ class LeafPlan:
     key_impl: Any = None  # like is a PRNG key array: wrap the stored key data
     check_values: bool = False  # a narrowing cast: allowed only if no value changes
     source: str = ""
-    cast_option: str = "cast='unsafe'"  # what the entry point takes to cast anyway
     rounds: bool = False  # dtype= asked for a narrower float: it may round, never overflow
 
     def cast(self, data: np.ndarray) -> np.ndarray:
@@ -53,8 +44,7 @@ class LeafPlan:
             try:
                 check(self.path, data, self.out_dtype, cast="safe")
             except StructureError as e:
-                words = with_advice(e, f"pass {self.cast_option} to cast anyway")
-                raise StructureError(f"{words} (in {self.source})") from None
+                raise StructureError(f"{e} (in {self.source})") from None
         with np.errstate(all="ignore"):  # unchecked: numpy's cast, as asked
             out = data.astype(self.out_dtype)
         if self.check_values and not self.rounds:
@@ -66,7 +56,7 @@ class LeafPlan:
                 raise StructureError(
                     f"leaf {self.path!r}: dtype mismatch: expected {self.out_dtype} "
                     f"(from like), found {data.dtype} in {self.source}, and casting changes "
-                    f"values (pass {self.cast_option} to cast anyway)"
+                    f"values (pass cast='unsafe' to cast anyway)"
                 )
         return out
 
@@ -80,12 +70,11 @@ def plan(
     source: str,
     allow_cast: bool = False,
     python_scalar: bool = False,
-    cast_option: str = "cast='unsafe'",
     rounds: bool = False,
 ) -> LeafPlan:
     """Checks that the stored ``shape``/``dtype`` fit ``like`` (StructureError naming the
-    leaf); ``source``: the file; ``cast_option``: the entry point's way to cast anyway;
-    ``rounds``: a checked cast may round a float (never overflow)."""
+    leaf); ``source``: the file; ``rounds``: a checked cast may round a float (never
+    overflow)."""
     shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
     if like is None:
         return LeafPlan(path, shape, dtype, dtype, None, python_scalar)
@@ -105,27 +94,8 @@ def plan(
             f"found {shape} in {source}"
         )
     like_dtype = np.dtype(like_dtype)
-    check = not allow_cast and not is_lossless(dtype, like_dtype)
-    return LeafPlan(
-        path,
-        shape,
-        dtype,
-        like_dtype,
-        like,
-        False,
-        check_values=check,
-        source=source,
-        cast_option=cast_option,
-        rounds=rounds,
-    )
-
-
-def _sharding(like: Any) -> Any:
-    if isinstance(like, jax.Array):
-        return like.sharding
-    if isinstance(like, jax.ShapeDtypeStruct):
-        return getattr(like, "sharding", None)
-    return None
+    checked = not allow_cast and not is_lossless(dtype, like_dtype)
+    return LeafPlan(path, shape, dtype, like_dtype, like, False, None, checked, source, rounds)
 
 
 def materialize(leaf: LeafPlan, read: Reader) -> Any:
@@ -134,7 +104,7 @@ def materialize(leaf: LeafPlan, read: Reader) -> Any:
     whole = tuple(slice(0, s) for s in leaf.shape)
     if leaf.key_impl is not None:
         keys = jax.random.wrap_key_data(np.asarray(read(whole)), impl=leaf.key_impl)
-        sharding = _sharding(like)
+        sharding = getattr(like, "sharding", None)  # (like passed template_of)
         return jax.device_put(keys, sharding) if sharding is not None else keys
     if like is None:
         data = np.asarray(read(whole))
@@ -145,7 +115,7 @@ def materialize(leaf: LeafPlan, read: Reader) -> Any:
         return leaf.cast(np.asarray(read(whole)))[()]
     if isinstance(like, np.ndarray):
         return leaf.cast(np.asarray(read(whole)))
-    sharding = _sharding(like)
+    sharding = getattr(like, "sharding", None)  # (like passed template_of)
     if sharding is None:
         return jax.device_put(leaf.cast(np.asarray(read(whole))), jax.devices()[0])
     size = int(np.prod(leaf.shape, dtype=np.int64))

@@ -142,7 +142,6 @@ def _by_call(transform: Callable[[str], Any]) -> Callable[[str], str | None]:
             )
         return out
 
-    by_call.__wrapped__ = transform  # type: ignore[attr-defined]
     return by_call
 
 

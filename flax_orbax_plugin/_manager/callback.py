@@ -109,7 +109,7 @@ class CheckpointCallback:
         grew layers: the new ones keep their values from ``state``). ``surgery`` names
         params' paths: it applies to params as given and, in the other items, at every
         prefix that mirrors them (Adam's ``0/mu/``, ``0/nu/``), where an operation that
-        finds nothing does nothing (``_like/surgery_mirrors.py``). Then reserves the
+        finds nothing does nothing (``_like/surgery.py``). Then reserves the
         manager's host buffers for saving the state (:meth:`CheckpointManager.reserve`).
         """
         if self._stepped is not None:  # else its own steps read as an earlier run's

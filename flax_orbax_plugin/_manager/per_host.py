@@ -32,8 +32,8 @@ from .._core.save import Staging
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import steps as _steps
 from .._format.layout import HOST_FILE, MANIFEST_FILE
+from .._storage import lease as _lease
 from .._storage import local_files as _local_files
-from .._storage import run_record as _run_record
 from .._storage import shared_dir as _shared_dir
 from .._storage.location import Location
 from .checkpointables import from_json, to_json
@@ -232,7 +232,7 @@ def _open_view(loc: Location, steps: list[int]) -> dict:
     record = None
     if _distributed.is_primary():
         try:
-            found = _run_record.read_record(loc)
+            found = _lease.read_record(loc)
         except CheckpointError:
             found = None
         record = None if found is None else found.run
@@ -247,12 +247,12 @@ def claim_directory(loc: Location, run: str, steps: list[int]) -> None:
     """A non-primary host's own directory taken for ``run`` (``docs/run_owner.md``): its
     run record must name ``run``; without one, every committed step's marker must, and
     the record is written. CheckpointError otherwise, nothing touched."""
-    record = _run_record.read_record(loc)  # CorruptCheckpointError when malformed
+    record = _lease.read_record(loc)  # CorruptCheckpointError when malformed
     if record is not None:
         if record.run != run:
             raise CheckpointError(
                 f"{loc} belongs to run {record.run} but this run is {run} (its "
-                f"{_run_record.RUN_FILE} differs from the primary's places): this host's "
+                f"{_lease.RUN_FILE} differs from the primary's places): this host's "
                 f"directory holds another run's steps, and mixing them would restore or "
                 f"delete the other's. Give this host a directory of its own for this run"
             )
@@ -260,12 +260,12 @@ def claim_directory(loc: Location, run: str, steps: list[int]) -> None:
     foreign = [s for s in steps if (read_marker(loc, s)[0] or {}).get("run") != run]
     if foreign:
         raise CheckpointError(
-            f"{loc} holds steps {foreign[-3:]} but no run record ({_run_record.RUN_FILE}), "
+            f"{loc} holds steps {foreign[-3:]} but no run record ({_lease.RUN_FILE}), "
             f"and their {HOST_FILE} do not name this run {run}: they are another run's (mixing "
             f"would restore or delete them). Give this host a directory of its own for this run"
         )
-    mine = _run_record.RunRecord.here(run, secrets.token_hex(8))
-    loc.write_bytes(_run_record.RUN_FILE, mine.to_bytes())
+    mine = _lease.RunRecord.here(run, secrets.token_hex(8))
+    loc.write_bytes(_lease.RUN_FILE, mine.to_bytes())
 
 
 def remove_steps(

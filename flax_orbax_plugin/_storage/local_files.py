@@ -18,7 +18,7 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -77,9 +77,7 @@ def depth(raw: bytes) -> int:
 
 
 class _Repeated(ValueError):
-    def __init__(self, key: str):
-        super().__init__(key)
-        self.key = key
+    """A key an object lists twice (``args[0]``)."""
 
 
 def _unique(pairs: list) -> dict:
@@ -94,9 +92,7 @@ def _unique(pairs: list) -> dict:
 
 
 class _NonFinite(ValueError):
-    def __init__(self, text: str):
-        super().__init__(text)
-        self.text = text
+    """A number JSON may not hold (``args[0]``: its text)."""
 
 
 def _finite(text: str) -> float:
@@ -104,10 +100,6 @@ def _finite(text: str) -> float:
     if not math.isfinite(value):
         raise _NonFinite(text)
     return value
-
-
-def _constant(name: str) -> Any:
-    raise _NonFinite(name)
 
 
 def parse(raw: bytes, where: str, kind: DocKind) -> Any:
@@ -128,18 +120,18 @@ def parse(raw: bytes, where: str, kind: DocKind) -> Any:
     try:
         value = json.loads(
             raw.decode("utf-8"),
-            parse_constant=_constant,
+            parse_constant=_finite,  # NaN, Infinity, -Infinity: refused
             parse_float=_finite,
             object_pairs_hook=hook,
         )
     except _Repeated as e:
         raise CorruptCheckpointError(
-            f"malformed {where}: field {e.key[:80]!r}: expected once in its object, found twice"
+            f"malformed {where}: field {e.args[0][:80]!r}: expected once in its object, found twice"
         ) from None
     except _NonFinite as e:
         raise CorruptCheckpointError(
-            f"malformed {where}: field {field_before(raw, e.text)}: expected a finite "
-            f"number, found {e.text[:40]}"
+            f"malformed {where}: field {field_before(raw, e.args[0])}: expected a finite "
+            f"number, found {e.args[0][:40]}"
         ) from None
     except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
         text = str(e)
@@ -259,8 +251,7 @@ def open_dirs(root: str, parts: list[str], *, create: bool = False) -> int:
                 st = os.stat(part, dir_fd=fd, follow_symlinks=False)
                 raise ForeignEntryError(
                     f"{walked}: expected a directory written by this library, found "
-                    f"{entry_kind(st.st_mode)} "
-                    "(never followed)"
+                    f"{entry_kind(st.st_mode)} (never followed)"
                 ) from None
             os.close(fd)
             fd = sub
@@ -270,28 +261,40 @@ def open_dirs(root: str, parts: list[str], *, create: bool = False) -> int:
         raise
 
 
-def _open_regular(root: str, name: str) -> tuple[int, os.stat_result] | None:
-    """An fd of the regular file ``root/name`` (no link, no FIFO waited on) and its
-    stat; None when it does not exist."""
+def _in_parent(root: str, name: str, use: Callable[[int, str], Any]) -> Any:
+    """``use(fd of the directory holding root/name, its last part)``, the directories on
+    the way opened as :func:`open_dirs` does; None when one of them or the entry
+    (``FileNotFoundError`` from ``use``) is missing."""
     parts = name.split("/")
-    path = os.path.join(root, name)
     try:
         dfd = open_dirs(root, parts[:-1])
     except (FileNotFoundError, NotADirectoryError):
         return None
     try:
-        # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below).
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        fd = os.open(parts[-1], flags, dir_fd=dfd)
+        return use(dfd, parts[-1])
     except FileNotFoundError:
         return None
-    except OSError as e:
-        if e.errno != errno.ELOOP:  # named by its whole path, not its last part
-            raise type(e)(e.errno, e.strerror, path) from None
-        require_regular(os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False), path)
-        raise
     finally:
         os.close(dfd)
+
+
+def _open_regular(root: str, name: str) -> tuple[int, os.stat_result] | None:
+    """An fd of the regular file ``root/name`` (no link, no FIFO waited on) and its
+    stat; None when it does not exist."""
+    path = os.path.join(root, name)
+
+    def open_in(dfd: int, last: str) -> int:
+        try:  # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below)
+            return os.open(
+                last, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd
+            )
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                require_regular(os.stat(last, dir_fd=dfd, follow_symlinks=False), path)
+            raise type(e)(e.errno, e.strerror, path) from None  # named by its whole path
+
+    if (fd := _in_parent(root, name, open_in)) is None:
+        return None
     try:
         st = os.fstat(fd)
         require_regular(st, path)
@@ -302,23 +305,19 @@ def _open_regular(root: str, name: str) -> tuple[int, os.stat_result] | None:
 
 
 def read_file(root: str, name: str, max_bytes: int | None) -> bytes | None:
-    path = os.path.join(root, name)
     opened = _open_regular(root, name)
     if opened is None:
         return None
     fd, st = opened
+    path, chunks, total = os.path.join(root, name), [], 0
     try:
-        check_size(st.st_size, path, max_bytes)
-        chunks, total = [], 0
         while True:  # the file may grow after fstat: read at most the cap (+1 to notice)
+            check_size(max(st.st_size, total), path, max_bytes)
             want = 1 << 24 if max_bytes is None else min(1 << 24, max_bytes + 1 - total)
-            chunk = os.read(fd, want)
-            if not chunk:
-                break
+            if not (chunk := os.read(fd, want)):
+                return b"".join(chunks)
             chunks.append(chunk)
             total += len(chunk)
-            check_size(total, path, max_bytes)
-        return b"".join(chunks)
     finally:
         os.close(fd)
 
@@ -383,21 +382,10 @@ def _write_file(root: str, name: str, data: bytes | Iterable[bytes], *, durable:
     make_dirs(root)
     dfd = open_dirs(root, parts[:-1], create=True)
     try:
-        tmp = f"{parts[-1]}.tmp-{secrets.token_hex(8)}"  # unpredictable, created exclusively
-        try:
-            fd = os.open(
-                tmp,
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o644,
-                dir_fd=dfd,
-            )
-        except OSError as e:
-            if e.errno != errno.ELOOP:
-                raise
-            raise ForeignEntryError(
-                f"{os.path.join(root, tmp)}: expected a file written by this library, "
-                "found a symbolic link (never followed)"
-            ) from None
+        # unpredictable, created exclusively: O_EXCL refuses a link there (EEXIST)
+        tmp = f"{parts[-1]}.tmp-{secrets.token_hex(8)}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o644, dir_fd=dfd)
         try:
             try:
                 for piece in (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data:
@@ -423,67 +411,43 @@ def _write_file(root: str, name: str, data: bytes | Iterable[bytes], *, durable:
 
 def delete_file(root: str, name: str) -> None:
     """Unlinks ``root/name`` (a symlink itself, never its target); no error if absent."""
-    parts = name.split("/")
-    try:
-        dfd = open_dirs(root, parts[:-1])
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    try:
-        os.unlink(parts[-1], dir_fd=dfd)  # a symlink itself, never its target
-    except FileNotFoundError:
-        pass
-    finally:
-        os.close(dfd)
+    _in_parent(root, name, lambda dfd, last: os.unlink(last, dir_fd=dfd))
 
 
 def exists(root: str, name: str) -> bool:
     """True for a regular file or directory at ``root/name``; ForeignEntryError for a
     link or special file there or on the way."""
-    parts = name.split("/")
-    try:
-        dfd = open_dirs(root, parts[:-1])
-    except (FileNotFoundError, NotADirectoryError):
+    st = _in_parent(root, name, lambda dfd, last: os.stat(last, dir_fd=dfd, follow_symlinks=False))
+    if st is None:
         return False
-    try:
-        st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    finally:
-        os.close(dfd)
     require_regular(st, os.path.join(root, name), allow_dir=True)
     return True
 
 
 def child_kinds(path: str) -> dict[str, str]:
     """``{name: "dir" | "file" | "symlink" | "other"}`` of the immediate children."""
-    out = {}
     try:
         with os.scandir(path) as it:
-            for entry in it:
-                if entry.is_symlink():
-                    out[entry.name] = "symlink"
-                elif entry.is_dir(follow_symlinks=False):
-                    out[entry.name] = "dir"
-                elif entry.is_file(follow_symlinks=False):
-                    out[entry.name] = "file"
-                else:
-                    out[entry.name] = "other"
+            entries = sorted(it, key=lambda e: e.name)
     except (FileNotFoundError, NotADirectoryError):
         return {}
-    return dict(sorted(out.items()))
+    return {e.name: _kind(e) for e in entries}
+
+
+def _kind(e: os.DirEntry) -> str:
+    if e.is_symlink():
+        return "symlink"
+    if e.is_dir(follow_symlinks=False):
+        return "dir"
+    return "file" if e.is_file(follow_symlinks=False) else "other"
 
 
 def exchange(a_path: str, b_path: str) -> bool:
     """Atomically swaps two directories (``renameat2(RENAME_EXCHANGE)``), then fsyncs
     ``b_path``'s parent; False where the kernel or filesystem cannot."""
+    renameat2, at_fdcwd, rename_exchange = _libc("renameat2"), -100, 2
     a, b = a_path.encode(), b_path.encode()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, a, at_fdcwd, b, rename_exchange) != 0:
+    if renameat2 is None or renameat2(at_fdcwd, a, at_fdcwd, b, rename_exchange) != 0:
         return False
     fsync_dir(os.path.dirname(b_path))
     return True
@@ -492,8 +456,13 @@ def exchange(a_path: str, b_path: str) -> bool:
 def sync_tree(path: str) -> None:
     """Makes everything under the directory ``path`` durable: one ``syncfs``, else an
     fsync of every file (links skipped) and directory."""
-    if _syncfs(path):
-        return
+    if (syncfs := _libc("syncfs")) is not None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if syncfs(fd) == 0:
+                return
+        finally:
+            os.close(fd)
     for root, _, files in os.walk(path):
         for name in files:
             try:
@@ -507,17 +476,12 @@ def sync_tree(path: str) -> None:
         fsync_dir(root)
 
 
-def _syncfs(path: str) -> bool:
+def _libc(name: str):
+    """The C library's function ``name``, or None where there is none."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        syncfs = libc.syncfs
+        return getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
-        return False
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        return syncfs(fd) == 0
-    finally:
-        os.close(fd)
+        return None
 
 
 def fsync_dir(path: str) -> None:

@@ -197,13 +197,6 @@ def _url_spec(text: str, what: str) -> dict[str, Any]:
 MOUNTINFO = "/proc/self/mountinfo"
 
 
-def _unescape(field: str) -> str:
-    """A mountinfo path field: spaces, tabs, newlines and backslashes are octal escapes."""
-    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        field = field.replace(code, char)
-    return field
-
-
 def mount_type_in(path: str, mountinfo: str) -> str | None:
     """The filesystem type of the longest mount point holding absolute ``path`` in
     ``mountinfo`` (a ``/proc/<pid>/mountinfo``'s text); None when no line parses."""
@@ -212,7 +205,9 @@ def mount_type_in(path: str, mountinfo: str) -> str | None:
         fields = line.split(" ")
         if " - " not in line or len(fields) < 5:
             continue
-        point = _unescape(fields[4])
+        point = fields[4]  # spaces, tabs, newlines and backslashes are octal escapes in it
+        for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+            point = point.replace(code, char)
         fstype = line.split(" - ", 1)[1].split(" ", 1)[0]
         inside = path == point or path.startswith(point.rstrip("/") + "/")
         if inside and len(point) >= best:  # a later mount over the same point wins

@@ -77,12 +77,10 @@ class DirectoryLock:
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         for _ in range(3):  # an existing file removed between the two opens: again
             self._created = False
-            try:
+            try:  # (O_EXCL: a directory or link there is EEXIST too, refused below)
                 fd = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 pass
-            except IsADirectoryError:
-                raise self._foreign("a directory") from None
             else:
                 self._created = True
                 return fd

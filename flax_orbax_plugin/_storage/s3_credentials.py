@@ -75,11 +75,8 @@ def profile_with_keys(
 def aws_credentials_present() -> bool:
     """Whether the environment names any AWS credentials (keys, a profile, a
     credentials file): otherwise the default chain ends anonymous."""
-    if os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_PROFILE"):
-        return True
-    if os.environ.get("AWS_WEB_IDENTITY_TOKEN_FILE") or os.environ.get(
-        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"
-    ):
+    named = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE")
+    if any(os.environ.get(n) for n in (*named, "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")):
         return True
     files = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.expanduser(
         "~/.aws/credentials"

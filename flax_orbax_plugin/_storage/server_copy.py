@@ -280,9 +280,8 @@ class _GCSCopier(Copier):
                 return out
 
     def copy(self, src: str, dst: str, source: ObjectInfo) -> ObjectInfo:
-        dest = self._object(dst).rsplit("/o/", 1)[1]
-        url = f"{self._object(src)}/rewriteTo/b/{urllib.parse.quote(self._bucket, safe='')}/o/"
-        url += dest
+        bucket = urllib.parse.quote(self._bucket, safe="")
+        url = f"{self._object(src)}/rewriteTo/b/{bucket}/o/{urllib.parse.quote(dst, safe='')}"
         query: dict[str, str] = {}
         if source.generation:
             query["ifSourceGenerationMatch"] = source.generation

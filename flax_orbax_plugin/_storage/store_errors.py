@@ -80,12 +80,10 @@ def refusal(error: BaseException, spec: dict[str, Any]) -> StoreAccessError | No
 def _specs(places: Iterable[Any]) -> list[dict[str, Any]]:
     out = []
     for place in places:
-        if place is None:
-            continue
-        try:
-            out.append(spec_from_path(place.spec if hasattr(place, "spec") else place))
-        except (ValueError, TypeError):  # not a place: its own check reports it
-            continue
+        try:  # a Location's spec, or what the argument names
+            out.append(spec_from_path(getattr(place, "spec", place)))
+        except (ValueError, TypeError):  # not a place (None too): its own check reports it
+            pass
     return out
 
 

@@ -36,10 +36,6 @@ def entry_kind(mode: int) -> str:
     return next((kind for test, kind in _KINDS if test(mode)), "a special file")
 
 
-# Largest JSON document (an index, a header, Orbax metadata) read into memory.
-MAX_JSON_BYTES = 64 << 20
-
-
 def open_regular(path: str, *, follow_links: bool, what: str) -> tuple[int, os.stat_result]:
     """``(fd, fstat)`` of a regular file opened read-only, never blocking (a symlink at
     the path only with ``follow_links``). CheckpointNotFoundError when nothing is there,

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._storage.run_record import RUN_FILE
+from flax_orbax_plugin._storage.lease import RUN_FILE
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # this module, for child processes
 WAIT_S = 60

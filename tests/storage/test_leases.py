@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._storage.lease import MAX_WAIT_SECONDS
+from flax_orbax_plugin._storage.lease import MAX_WAIT_SECONDS, RUN_FILE, RunRecord
 from flax_orbax_plugin._storage.location import Location
-from flax_orbax_plugin._storage.run_record import RUN_FILE, RunRecord
 
 pytest_plugins = ["_servers"]
 

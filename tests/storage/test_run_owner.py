@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import flax_orbax_plugin as fop
+from flax_orbax_plugin._storage.lease import RUN_FILE, RunRecord, read_record
 from flax_orbax_plugin._storage.location import Location
-from flax_orbax_plugin._storage.run_record import RUN_FILE, RunRecord, read_record
 
 pytest_plugins = ["_servers"]
 

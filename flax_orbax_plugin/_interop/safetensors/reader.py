@@ -200,7 +200,6 @@ def _read_onto(
             leaf_like,
             source=f"{t.file} ({name})",
             allow_cast=allow_cast,
-            cast_option="cast='unsafe'",
         )
         plans.append((plan, t, axes))
     unused = sorted(set(stored) - used)

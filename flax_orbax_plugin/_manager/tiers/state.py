@@ -13,8 +13,8 @@ from collections.abc import Callable
 from ..._base import env as _env
 from ..._base import host_memory as _host_memory
 from ..._errors import ReplicationError
+from ..._storage.lease import RunOwner
 from ..._storage.location import Location
-from ..._storage.run_owner import RunOwner
 from ..events import Events
 from ..retention import KeepRule
 

@@ -33,7 +33,6 @@ from ..._errors import CheckpointError, DirectoryLockedError, OptionError, Repli
 from ..._format import steps as _steps
 from ..._format.foreign import foreign_run
 from ..._storage import lease as _lease
-from ..._storage import run_owner as _run_owner
 from ..._storage.location import Location, spec_from_path
 from ..events import Events
 from ..retention import KEEP, KEEP_EVERY, Retention
@@ -331,7 +330,7 @@ def _open_primary(
                 f"own run there; convert them first (`flax-orbax import`), or give the "
                 f"tier a path of its own"
             )
-        state.owner = _run_owner.RunOwner(
+        state.owner = _lease.RunOwner(
             places.local,
             places.remote,
             lease_seconds=lease_seconds,
