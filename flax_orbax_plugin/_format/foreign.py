@@ -34,9 +34,7 @@ def is_step(loc: Location) -> bool:
 
 def is_orbax_checkpoint(path: Any) -> bool:
     """True when ``path`` is an Orbax item, step or manager directory (never one of ours):
-    a manager directory's newest step-named entry that is a step of anyone's decides (a
-    folder of the user's or a step of ours: no); one holding only an unfinished Orbax save
-    is one."""
+    a manager directory's newest step-named entry that is a step of anyone's decides."""
     try:
         loc = Location.from_path(path)
     except (TypeError, ValueError):
@@ -91,8 +89,7 @@ def legacy_step(step_loc: Location) -> bool:
 
 
 def not_finalized(step_loc: Location) -> str | None:
-    """Why the directory ``step_loc`` (named like a step) is no finalized Orbax step, or
-    None (on GCS, orbax finalizes by writing ``commit_success.txt`` last)."""
+    """Why the directory ``step_loc`` (named like a step) is no finalized Orbax step, or None."""
     if any(step_loc.exists(n) for n in OWN_FILES):
         return OURS
     if not step_loc.exists(STEP_METADATA) and not legacy_step(step_loc):
@@ -105,8 +102,7 @@ def not_finalized(step_loc: Location) -> str | None:
 
 
 def unfinished(loc: Location, record: Any) -> str | None:
-    """Why the Orbax step or item at ``loc`` (``record``: its parsed
-    ``_CHECKPOINT_METADATA`` or None) is a save Orbax never finished, or None."""
+    """Why the Orbax step or item at ``loc`` (``record``: its parsed record) is unfinished."""
     if TMP_MARK in loc.name:
         return f"its name holds {TMP_MARK!r}: Orbax renames a save into place once finished"
     if TMP_MARK in loc.parent.name:

@@ -1,12 +1,8 @@
-"""The on-disk layout, format version 1: the only place that knows the JSON field names and
-the names on disk (FORMAT.md is the specification). ``records``: the dtypes and the
-records as a writer makes them (their names readers use are re-exported here, ``X as X``);
-here: each record read back from storage, every field checked before anything sized by
-it is allocated, and the JSON files of a committed step read against the checksums its
-commit recorded (never following a link). Each raises :class:`CorruptCheckpointError`
-naming the file and the field; where no commit lists a place, the words for it are
-``steps``'. Last, the frozen result types of :func:`flax_orbax_plugin.metadata`, made
-from the records. Any thread.
+"""The on-disk layout, format version 1 (FORMAT.md is the specification), read back: each
+record from storage, every field checked before anything sized by it is allocated, and
+the JSON files of a committed step read against the checksums its commit recorded (never
+following a link); ``records`` makes them (re-exported here, ``X as X``). Also the
+result types of :func:`flax_orbax_plugin.metadata`. Any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.layout``.
 """
@@ -177,9 +173,8 @@ def _check_leaves(leaves: tuple[LeafRecord, ...], batches: dict[str, BatchRecord
 
 
 class _TreeShape:
-    """The nodes the leaves' key paths make, checked to form one pytree: a node's children
-    all list entries or all mapping entries, one mapping's keys all ``str`` or all ``int``
-    (jax cannot order mixed keys), no leaf also a node. One entry per key path prefix."""
+    """The nodes the leaves' key paths make, checked to form one pytree (jax cannot order
+    a mapping's mixed ``str`` and ``int`` keys; no leaf is also a node)."""
 
     def __init__(self):
         self._child: dict[tuple[int, str, Any], int] = {}
@@ -258,9 +253,6 @@ def leaf_from_json(obj: Any, where: str, index: int) -> LeafRecord:
     if not (digest is None or (isinstance(digest, str) and _LEAF_DIGEST.match(digest))):
         bad("digest", "absent or '<algorithm>:<hex>' (e.g. 'xxh3_128:' and 32 hex)", digest)
     return LeafRecord(path, keys, kind, shape, dtype, sharding, storage, impl, digest)
-
-
-# The parts of leaf_from_json; ``bad(field, expected, found)`` raises.
 
 
 def _text_field(obj: dict, kind: str, bad) -> str:
@@ -367,8 +359,7 @@ def text_value(record: LeafRecord) -> str | bytes:
 
 
 def text_bytes(value: str, on_error) -> bytes:
-    """``value`` (base64) decoded; ``on_error()`` is called (and must raise) if it is not
-    base64 of at most MAX_TEXT_BYTES bytes."""
+    """``value`` (base64) decoded; else ``on_error()``, which must raise."""
     try:
         data = base64.b64decode(value.encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError, ValueError):
@@ -474,8 +465,7 @@ def _checked_manifest(step_loc: Location, raw: bytes) -> StepManifest:
 
 
 def _check_item_folders(step_loc: Location, manifest: StepManifest) -> None:
-    """On local disk, every item folder the manifest names must be a directory of the
-    step itself, never a link (a missing one is left to the item's reader)."""
+    """On local disk, an item folder the manifest names must be a directory, never a link."""
     if not step_loc.is_local:
         return
     kinds = step_loc.child_kinds()
@@ -529,8 +519,7 @@ def item_checksums(manifest: StepManifest, item_dir: str) -> dict[str, str]:
 
 
 def read_listed(location: Location, name: str, *, listed: dict[str, str]) -> bytes:
-    """The JSON file ``name`` of a committed checkpoint, checked against ``listed``
-    (:func:`committed_checksums`); CorruptCheckpointError if unlisted, missing or changed."""
+    """The JSON file ``name`` of a committed checkpoint, checked against ``listed``."""
     where = f"{location}/{name}"
     expected = listed.get(name)
     if expected is None:
@@ -545,9 +534,8 @@ def read_listed(location: Location, name: str, *, listed: dict[str, str]) -> byt
 
 
 def read_listed_document(location: Location, listed: dict[str, str]) -> CheckpointDocument:
-    """The validated metadata of the committed checkpoint or step item at ``location``,
-    checked against ``listed`` (:func:`committed_checksums`), which rides along on it so
-    that the read's other JSON files are checked without reading the commit again."""
+    """The validated metadata at ``location``, checked against ``listed``, which rides
+    along on it for the read's other JSON files."""
     where = f"{location}/{METADATA_FILE}"
     raw = read_listed(location, METADATA_FILE, listed=listed)
     doc = document_from_json(_local_files.parse(raw, where, _local_files.METADATA), where)

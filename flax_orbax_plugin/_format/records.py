@@ -1,9 +1,6 @@
-"""Format version 1's records as a writer makes them: the dtypes a checkpoint may hold
-(declared once), checked JSON (checksums, canonical bytes, the field validators every
-reader shares), bounds, the records of a leaf and a batch, the names on disk,
-``_METADATA.json``'s document and the commit records.
-
-Pure functions over immutable records (the dtype lookups cached); any thread.
+"""Format version 1's records as a writer makes them: the dtypes (declared once), checked
+JSON, bounds, the leaf and batch records, the names on disk, the commit records. Pure
+functions over immutable records; any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.records``.
 """
@@ -30,10 +27,8 @@ from .._storage import local_files as _local_files
 
 @dataclasses.dataclass(frozen=True)
 class Dtype:
-    """One dtype a checkpoint may hold. ``name``: numpy's (ml_dtypes'), as records store
-    it; ``bits``: of one value (under 8: sub-byte, one value per byte in memory);
-    ``zarr``: its arrays' zarr3 ``data_type`` (its own name where tensorstore knows it,
-    else ``uint8``: the same byte per value); ``safetensors``: its tag, or None."""
+    """One dtype a checkpoint may hold: numpy's ``name``, ``bits`` per value (under 8:
+    sub-byte), its zarr3 ``data_type`` (else ``uint8``), its ``safetensors`` tag or None."""
 
     name: str
     bits: int
@@ -118,9 +113,7 @@ def dtype_from_name(name: str, *, path: str = "?") -> np.dtype:
 
 
 def packable(name: str, shape, chunk) -> bool:
-    """Whether a leaf of dtype ``name``, ``shape`` and ``chunk`` shape is stored packed
-    (``packed_array``): a sub-byte dtype, at least one axis and no empty one, and
-    chunks whose last axis is whole bytes (or the whole axis). FORMAT.md."""
+    """Whether a leaf of dtype ``name``, ``shape`` and ``chunk`` is stored packed (FORMAT.md)."""
     bits = DTYPES[name].bits
     if bits >= 8 or not shape or 0 in shape:
         return False
@@ -154,8 +147,7 @@ def encode(obj: Any) -> bytes:
 
 
 def seal(body: dict[str, Any], kind: _local_files.DocKind | None = None) -> bytes:
-    """JSON bytes of ``body`` plus a ``checksum`` of its own canonical form; with
-    ``kind``, refused (StructureError) past what a reader of that kind accepts."""
+    """JSON bytes of ``body`` plus its ``checksum``; with ``kind``, bounded as its reader's."""
     sealed = dict(body, checksum=sha256(encode(body)))
     if kind is None:
         return encode(sealed)
