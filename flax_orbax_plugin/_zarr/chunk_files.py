@@ -93,9 +93,8 @@ PREFETCH_BYTES = 256 << 20  # read ahead: about a disk's reading while large met
 
 
 def prefetch_batches(root: str, threads: int) -> concurrent.futures.Future | None:
-    """Asks the kernel (``POSIX_FADV_WILLNEED``, on a reader thread) to start reading the
-    first :data:`PREFETCH_BYTES` of the batch files under ``root/b``; None where there is no
-    such hint. Regular files only, never through a link; failures are the reads' to say."""
+    """Asks the kernel (on a reader thread) to start reading the batch files under
+    ``root/b``; None where there is no such hint. Never through a link."""
     if not hasattr(os, "posix_fadvise"):
         return None
     return _shared_pool(threads).submit(_advise_batches, os.path.join(root, "b"))
@@ -145,8 +144,7 @@ MAX_COMPRESSION_RATIO = 1 << 16
 
 
 def array_claim(shape, chunk, itemsize: int, *, compressed: bool) -> tuple[int, int]:
-    """(chunk files, bytes) an array of ``shape`` in ``chunk``-shaped chunks needs on disk
-    (compressed: a lower bound), in Python ints: nothing is allocated."""
+    """(chunk files, bytes) an array needs on disk (compressed: a lower bound)."""
     cells = math.prod(-(-int(n) // int(c)) for n, c in zip(shape, chunk, strict=True))
     chunk_bytes = math.prod(int(c) for c in chunk) * itemsize
     if compressed:
@@ -157,8 +155,7 @@ def array_claim(shape, chunk, itemsize: int, *, compressed: bool) -> tuple[int, 
 def batch_claim(
     size: int, chunk: int, inner: int, itemsize: int, *, compressed: bool
 ) -> tuple[int, int]:
-    """(files, bytes) that a batch array (``size`` elements, files of ``chunk`` elements in
-    ``inner``-element chunks) needs on disk; compressed, a lower bound."""
+    """(files, bytes) a batch array needs on disk (compressed: a lower bound)."""
     files = -(-size // chunk)
     index = files * (16 * (chunk // inner) + _chunks.CRC_BYTES)  # one checksummed index per file
     if compressed:
@@ -239,8 +236,7 @@ class ChunkReader:
     def read_batch(
         self, sub: str, size: int, chunk: int, inner: int, dtype, files: range | None = None
     ) -> PendingRead:
-        """Starts reading all of batch array ``sub`` (as :func:`batch_claim` describes it), or
-        only the elements of its ``files`` (consecutive file numbers)."""
+        """Starts reading all of batch array ``sub``, or only the elements of its ``files``."""
         check_name(sub)  # never a path outside the checkpoint
         files = range(-(-size // chunk)) if files is None else files
         first = files.start * chunk if files else 0
@@ -282,8 +278,7 @@ class ChunkReader:
 
 
 class PendingRead:
-    """One array being read by a :class:`ChunkReader`; :meth:`result` is its values.
-    ``deferred``: its jobs start only once it is waited for (``packed_reader``)."""
+    """One array being read; ``deferred``: its jobs start only once it is waited for."""
 
     deferred = False
 
@@ -318,8 +313,7 @@ def bytes_read() -> int:
 
 
 def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int, *, fill=None, where=None) -> None:
-    """Reads one chunk file: its first ``dest.size`` bytes into ``dest``, the zero
-    padding of a chunk cut by the array's end into scratch, then checks its crc32c."""
+    """Reads one chunk file into ``dest`` (its padding into scratch), then checks its crc32c."""
     name = file_name(path)
     parts = [dest]
     if chunk_bytes > dest.size:
@@ -333,9 +327,8 @@ def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int, *, fill=None, whe
 def _read_chunk_copy(
     path: str, dest: np.ndarray, chunk: tuple, scratch: dict, src=None, *, fill=None, where=None
 ) -> None:
-    """Reads one chunk file whole into this thread's scratch (in ``scratch`` by ident, kept:
-    fresh memory costs its first touch, 0.6 s per GB), checks it, then copies its part
-    ``src`` (None: from its start) into ``dest``."""
+    """Reads one chunk file whole into this thread's scratch (kept: fresh memory costs its
+    first touch), checks it, then copies its part ``src`` into ``dest``."""
     nbytes = int(np.prod(chunk, dtype=np.int64)) * dest.dtype.itemsize
     me = threading.get_ident()
     buffer = scratch.get(me)
@@ -407,8 +400,7 @@ def _read_file(path: str, name: str, parts: list[np.ndarray]) -> None:
 
 
 def _read_ranges(path: str, name: str, expected: int, ranges: list) -> None:
-    """Fills each ``(offset, parts)`` of ``ranges`` from the regular file (never a link) at
-    ``path`` of exactly ``expected`` bytes; several ranges are read without readahead."""
+    """Fills each ``(offset, parts)`` of ``ranges`` from the regular file at ``path``."""
     _env.fail_point("read_chunk")
     try:
         # O_NONBLOCK: a FIFO in the checkpoint's place never blocks (refused below)

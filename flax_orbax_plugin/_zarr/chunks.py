@@ -1,10 +1,6 @@
 """One zarr3 chunk on disk (name, bytes, crc32c trailer, its grid), regions of whole
-chunks within a budget (``verify`` reads one at a time), the crc32c of a region's
-chunks (at once, or while copying it: the optional C kernel ``_copycrc``), whether a leaf
-is stored packed (how: ``_zarr/subbyte.py``), and format version 2's data index.
-
-Pure functions and immutable records: any thread (the copies and the crc32c release the
-GIL on large buffers).
+chunks within a budget, the crc32c of a region's chunks, and format version 2's data
+index. Pure functions and immutable records: any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._zarr.chunks``.
 """
@@ -74,8 +70,7 @@ def whole_chunks(shape, chunk, index):
 
 
 def covering(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, budget: int):
-    """Regions (tuples of slices; None: all) of whole chunks covering an array, each at most
-    ``budget`` bytes unless one chunk is larger: slabs along the first axis that fits."""
+    """Regions of whole chunks covering an array, each at most ``budget`` bytes if it can."""
     if not shape or math.prod(shape) * itemsize <= budget:
         yield None
         return
@@ -272,8 +267,7 @@ def array_prefix(key: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """One chunk inside a data file: ``file`` (its name inside ``data/``), the byte
-    ``offset`` and ``length`` there, and the crc32c its last four bytes hold."""
+    """One chunk inside a data file (``data/<file>``) and the crc32c its last bytes hold."""
 
     file: str
     offset: int
@@ -283,8 +277,7 @@ class Segment:
 
 @dataclasses.dataclass(frozen=True)
 class DataIndex:
-    """One process's index: data files (name -> bytes), chunks, and the stored dtype of
-    each array it holds chunks of (empty in an older index)."""
+    """One process's index: data files (name -> bytes), chunks, each array's stored dtype."""
 
     process: int
     files: dict[str, int]
