@@ -1,6 +1,5 @@
-"""What an export writes and replaces, on local disk: output names, the files under
-temporary names until renamed into place (:class:`Staged`), and the proof that an
-existing file is ours (``force`` replaces only those). Single process, one thread.
+"""What an export writes and replaces, on local disk: output names, the staged files
+(:class:`Staged`), the proof that an existing file is ours. Single process, one thread.
 Rules: ``docs/safetensors.md``.
 """
 
@@ -35,8 +34,7 @@ _log = logging.getLogger(__package__)
 
 
 def output_names(out: str, count: int) -> tuple[str, list[str], str]:
-    """(directory, file names, index name) for ``out``: a ``*.safetensors`` path or a
-    directory."""
+    """(directory, file names, index name) for ``out``: a ``*.safetensors`` path or folder."""
     if out.endswith(".safetensors"):
         directory, stem = os.path.dirname(os.path.abspath(out)), os.path.basename(out)[:-12]
     else:
@@ -83,8 +81,7 @@ def proven_ours(path: str) -> tuple[dict | None, str]:
 
 
 def remove_if_ours(directory: str, name: str, stem: str) -> None:
-    """Removes ``directory/name`` when named like our shards of ``stem`` and proven ours;
-    anything else is left alone with a warning."""
+    """Removes ``directory/name`` when named like our shards and proven ours, else warns."""
     path = os.path.join(directory, name)
     if not re.fullmatch(SHARD_NAME_RE.format(stem=re.escape(stem)), name):
         _log.warning("%s: listed by the old index but not named like our shards; left alone", path)
@@ -108,8 +105,7 @@ def old_outputs(directory: str, index_name: str) -> set[str]:
 
 
 def check_outputs(directory: str, names: list[str], index_name: str, force: bool) -> None:
-    """An existing output name is a FileExistsError without ``force``, and with it a
-    ForeignEntryError unless proven ours."""
+    """An existing output: FileExistsError without ``force``, else ForeignEntryError if not ours."""
     single = names[0] if len(names) == 1 else index_name.replace(INDEX_SUFFIX, ".safetensors")
     targets = sorted({*names, index_name, single})
     clash = [n for n in targets if os.path.lexists(os.path.join(directory, n))]
@@ -132,8 +128,7 @@ def check_outputs(directory: str, names: list[str], index_name: str, force: bool
 def remove_stale(
     directory: str, index_name: str, names: list[str], old: set[str], *, force: bool, sharded: bool
 ) -> None:
-    """After the new files are in place: removes (:func:`remove_if_ours`) the files an
-    old index listed that this export did not write, and an unsharded one it replaces."""
+    """Removes (:func:`remove_if_ours`) what an old export left that this one did not write."""
     stem = index_name[: -len(INDEX_SUFFIX)]
     for stale in sorted(old - set(names) - ({index_name} if sharded else set())):
         remove_if_ours(directory, stale, stem)  # only files an old index listed
@@ -174,8 +169,7 @@ class Staged:
         return self.tmps[: len(self.shards)]
 
     def _create(self, final_name: str) -> Any:
-        """A new binary file under ``final_name``'s temporary name, created exclusively:
-        a planted file or link is never followed."""
+        """A new binary file under ``final_name``'s temporary name, created exclusively."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         path = os.path.join(self.directory, _remains.temp_name(final_name, self.nonce))
         f = os.fdopen(os.open(path, flags, 0o644), "wb")
@@ -183,8 +177,7 @@ class Staged:
         return f
 
     def _open_shard(self, i: int) -> None:
-        """Shard ``i`` open for writing; the shards before it durable and closed (one
-        holding only empty tensors is created then)."""
+        """Shard ``i`` open for writing; the shards before it durable and closed."""
         while len(self.tmps) <= i:
             if self.file is not None:
                 _close_durable(self.file)
@@ -195,8 +188,7 @@ class Staged:
     def write(
         self, tensors: list[Tensor], read: Callable, bar, *, group_bytes: int | None = None
     ) -> None:
-        """Every shard, durable and closed, the tensors read a group at a time (``bar``:
-        a progress bar advanced by each tensor's bytes, or None)."""
+        """Every shard, durable and closed, the tensors read a group at a time."""
         by_path = {t.path: t for t in tensors}
         for group in _groups(tensors, group_bytes):
             for path, value in read([t.path for t in group]):
