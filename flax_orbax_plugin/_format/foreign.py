@@ -160,8 +160,7 @@ SAFETENSORS_SUFFIXES = (".safetensors", ".safetensors.index.json")
 
 
 def safetensors_source(path: Any) -> str | list[str] | None:
-    """What a safetensors reader takes for local ``path``: the file itself, a directory's
-    one index, else its ``.safetensors`` files (sorted); None when it holds none."""
+    """What a safetensors reader takes for local ``path``; None when it holds none."""
     path = os.fspath(path)
     if os.path.isfile(path):
         return path if path.endswith(SAFETENSORS_SUFFIXES) else None

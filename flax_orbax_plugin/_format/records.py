@@ -288,8 +288,7 @@ def check_codec(codec: Any, *, where: str = "compression") -> str | None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ArrayStorage:
-    """A leaf stored as its own zarr3 array ``d/<index>/``; ``codec`` compresses it;
-    ``packed``: a sub-byte dtype's values packed into bits (``_zarr/chunks.py``)."""
+    """A leaf stored as its own zarr3 array ``d/<index>/``, maybe compressed or packed."""
 
     chunk_shape: tuple[int, ...]
     codec: str | None = None
@@ -298,8 +297,7 @@ class ArrayStorage:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BatchStorage:
-    """A small leaf stored at ``offset`` (elements) in the 1-D batch array ``b/<batch>/``;
-    ``packed``: a sub-byte leaf's values packed into ``size`` bytes of a ``uint8`` batch."""
+    """A small leaf at ``offset`` (elements) in the batch ``b/<batch>/`` (packed: in bytes)."""
 
     batch: str
     offset: int
@@ -467,9 +465,7 @@ class ItemEntry:
 @dataclasses.dataclass(frozen=True)
 class StepManifest:
     """``<step>/_CHECKPOINT.json``: the one commit of a manager step. ``files``: the sha256
-    of every JSON file restore trusts, by path in the step; ``tree_digest``: the digest all
-    processes agreed on; ``bytes_written``, ``bytes_reused`` (one process): informational;
-    ``lane``: the :data:`LANES` lane the step was saved in (retention goes by it later)."""
+    of every JSON file restore trusts; ``lane``: the lane the step was saved in."""
 
     step: int
     items: dict[str, ItemEntry]

@@ -119,9 +119,8 @@ def leaf_digest(entries: Iterable[Entry]) -> str:
 def exchange(
     op: str | None, mine: dict[int, list[Entry]] | None, region: _distributed.Region
 ) -> dict[int, list[Entry]] | None:
-    """Every process's entries, merged per leaf index (``mine`` as is with one process);
-    None when any process could not hash (or ``op`` is None). Background thread, same
-    call order on every process, in ``region``; :func:`release` deletes the value."""
+    """Every process's entries, merged per leaf index; None when any could not hash.
+    Background thread, same call order on every process, in ``region``."""
     if _distributed.process_count() == 1:
         return mine
     if op is None:
@@ -243,9 +242,8 @@ def chunks_of(record: LeafRecord, regions: Iterable[Bounds]) -> list[tuple[str, 
 
 
 def unchanged(leaves: list, fmt: Any, location: Location, reuse: Reuse, region: Any):
-    """Records the digest of every array leaf (collective in ``region``: every process,
-    same order) and returns (the way to reuse, the previous item, [(leaf, previous
-    index, this process's chunks)] of the unchanged leaves), or None (nothing reused)."""
+    """Records the digest of every array leaf (collective in ``region``) and returns (the
+    way to reuse, the previous item, [(leaf, previous index, chunks)]), or None."""
     way = fmt.reuser(location)
     if way is None and _distributed.process_count() == 1:
         return None

@@ -176,8 +176,7 @@ def _split(tree: Any) -> dict[str, Any]:
 
 def step_items(trees: Mapping[str, Any], kinds: Mapping[str, str], *, source: str) -> ImportedStep:
     """``(items, extras)`` of a foreign step's items: a training state's keys are items,
-    another pytree is kept by name (a lone one is ``params``); JSON items are extras, and
-    the entries of Orbax's ``metrics`` item top-level extras (``keep_best`` reads them)."""
+    another pytree is kept by name; JSON items (and ``metrics``' entries) are extras."""
     pytrees = {n: t for n, t in trees.items() if kinds[n] == "pytree" and t is not None}
     extras = {n: t for n, t in trees.items() if kinds[n] == "json" and n != "metrics"}
     metrics = trees.get("metrics") if kinds.get("metrics") == "json" else None
@@ -293,10 +292,8 @@ def save_steps(
     options: Mapping[str, Any],
     source_bytes: Sequence[int],
 ) -> list[int]:
-    """Saves each ``(step, (items, extras))`` of ``steps`` (consumed lazily: one step's
-    trees in memory at a time) as a committed step of ``out_dir``; returns the steps
-    written. ``options``: the importer's, checked; ``progress`` (called once with
-    ``sum(source_bytes)``) advances by each step's entry as it commits."""
+    """Saves each ``(step, (items, extras))`` of ``steps`` (one step's trees in memory at a
+    time) as a committed step of ``out_dir``; returns the steps written."""
     refuse_inside_checkpoint(out_dir)
     refuse_foreign_targets(out_dir, planned)
     loc = Location.from_path(out_dir)

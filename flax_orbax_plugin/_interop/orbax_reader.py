@@ -348,9 +348,8 @@ def restore_orbax_params(
     partial: bool = False,
     cast: str = "safe",
 ) -> Any:
-    """The params of an Orbax checkpoint, reading nothing else: the ``params`` item,
-    else the ``params`` subtree of a pytree item, else the only pytree item. The
-    options are ``fop.restore_params``'s."""
+    """The params of an Orbax checkpoint, reading nothing else (``fop.restore_params``'
+    options): the ``params`` item, else a ``params`` subtree, else the only pytree."""
     _, items = open_orbax(path, step=step)
     item, prefix = _params_source(items)
     if prefix:

@@ -113,8 +113,7 @@ def list_steps(loc: Location) -> OrbaxSteps:
 
 def agreed_latest(loc: Location, *, region: _distributed.Region) -> int | None:
     """Collective (every process, in the read's ``region``): the primary's latest
-    finalized step, so no two processes read different steps; None when the primary
-    found none (every process then lists the run and raises the same error)."""
+    finalized step, so no two processes read different steps; None if it found none."""
     op = region.next_operation_id("orbax-latest-step")
     latest = ""
     if _distributed.is_primary():

@@ -180,9 +180,8 @@ BATCH_THREADS = 4  # threads of ranged batch reads (read_batch_range)
 
 class ChunkReader:
     """Reads uncompressed arrays and batches from local chunk files straight into fresh
-    aligned host buffers, one ``preadv`` per file, each a regular file of the chunk's size
-    plus a matching crc32c (else ValueError naming the chunk). Called from the restore's
-    thread; the reads run on the reader's threads; :meth:`close` waits for them."""
+    aligned host buffers, each chunk checked (else ValueError naming it). Called from the
+    restore's thread; the reads run on the reader's threads; :meth:`close` waits for them."""
 
     packed = False  # format version 2's reader (a subclass) reads every array and batch
 
@@ -214,8 +213,7 @@ class ChunkReader:
         region: tuple[slice, ...] | None = None,
     ) -> PendingRead | None:
         """Starts reading ``region`` (global; None: all) of array ``sub``; None when the
-        region is not whole chunks. A chunk contiguous in the result is read straight
-        into place, any other into scratch, checked, then copied."""
+        region is not whole chunks."""
         check_name(sub)  # never a path outside the checkpoint
         whole = _chunks.whole_chunks(shape, chunk, region or tuple(slice(None) for _ in shape))
         if whole is None:
@@ -254,9 +252,7 @@ class ChunkReader:
         self, sub: str, size: int, chunk: int, inner: int, dtype, start: int, stop: int
     ) -> PendingRead:
         """Starts reading elements ``[start, stop)`` of batch array ``sub``, rounded out to
-        whole inner chunks: one job per file reading only those and the file's index. The
-        result's ``first`` is the element its ``out`` starts at, ``files`` the file numbers
-        of its ``futures``, ``ends`` the element each file's part ends at."""
+        whole inner chunks (the result's ``first``: where its ``out`` starts)."""
         check_name(sub)  # never a path outside the checkpoint
         if self._ranged is None or not 0 <= start < stop <= size:
             raise ValueError(f"batch {sub}: no ranged read of [{start}, {stop}) here")
@@ -354,10 +350,8 @@ def _read_shard(
     ranged=None,
     where=None,
 ) -> None:
-    """Reads one batch file (a zarr3 shard, sizes in bytes) into ``flat`` (the batch's bytes
-    from byte ``base`` on), then checks its index (inner chunks in order, none missing)
-    and every checksum. With ``inners`` (j0, j1): only inner chunks j0..j1-1 and the
-    index, through ``ranged`` (a packed reader's) or from the file at ``path``."""
+    """Reads one batch file (a zarr3 shard) into ``flat`` from byte ``base`` on, then checks
+    its index and every checksum. With ``inners`` (j0, j1): only those inner chunks."""
     name, label = file_name(path), stored_name(path, where, "batch file")
     count = chunk // inner
     present = -(-min(size - s * chunk, chunk) // inner)

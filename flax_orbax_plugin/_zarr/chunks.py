@@ -47,9 +47,8 @@ def chunk_key(cell) -> str:
 
 
 def whole_chunks(shape, chunk, index):
-    """For the global region ``index`` of an array of ``shape``: (its shape, [(chunk grid
-    cell, its part of the region), ...]); None when it is empty or not whole chunks (one
-    cut by the array's end counts as whole)."""
+    """(region shape, [(chunk grid cell, its part of the region), ...]) of the global
+    region ``index``; None when it is empty or not whole chunks."""
     if not shape:
         return None
     starts, stops = [], []
@@ -162,9 +161,8 @@ def extend_crc(crc: int, data) -> int:
 def chunk_crcs(
     shape: tuple[int, ...], chunk: tuple[int, ...], index: tuple[slice, ...], data: np.ndarray
 ) -> dict[tuple[int, ...], int] | None:
-    """``{chunk grid cell: crc32c}``: the trailer each chunk of the region ``index`` (global)
-    of an array of ``shape`` holding ``data`` stores (little endian, edge chunks padded);
-    None when it is not whole chunks. A 0-d array is one chunk, cell ``()``."""
+    """``{chunk grid cell: crc32c}``: the trailer each chunk of the global region ``index``
+    holding ``data`` stores; None when it is not whole chunks."""
     if data.dtype.byteorder == ">":  # the stored encoding is little endian
         data = data.astype(data.dtype.newbyteorder("<"))
     if not shape:

@@ -47,9 +47,8 @@ _sync_file_range = _load_sync_file_range()
 
 
 def direct_span(first: np.ndarray, minimum: int = DIRECT_ALIGN) -> tuple[int, int]:
-    """(skip, length): ``length`` bytes of whole pages of ``first`` from its first page
-    boundary, ``skip`` bytes in (0, 0: not C-contiguous, or fewer than ``minimum``): at a
-    file offset congruent to its address, an ``O_DIRECT`` write (head and tail buffered)."""
+    """(skip, length) of the whole pages of ``first`` an ``O_DIRECT`` write can take (0, 0:
+    none, or fewer than ``minimum`` bytes)."""
     if not first.flags.c_contiguous:
         return 0, 0
     skip = -first.ctypes.data % DIRECT_ALIGN
@@ -237,8 +236,7 @@ class ChunkFileWriter(ChunkWriter):
             os.close(fd)
 
     def _write_direct(self, fd: int, first: np.ndarray) -> int:
-        """Writes ``first``'s page-aligned head with ``O_DIRECT`` (a tenth of a buffered
-        write's system time); returns the bytes written. A refusing filesystem turns it off."""
+        """Writes ``first``'s page-aligned head with ``O_DIRECT``; returns the bytes written."""
         skip, head = direct_span(first)  # its whole pages, when it starts on a page
         if skip or not head:
             return 0

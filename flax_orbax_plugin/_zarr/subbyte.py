@@ -128,8 +128,7 @@ class Unpacked:
 
 
 def stored_region(record: LeafRecord, region) -> tuple[tuple, int, int]:
-    """For a read of ``region`` (global; None: all) of a packed leaf: (the stored region
-    holding it, from its first group's byte; values per row; values to skip per row)."""
+    """(stored region, values per row, values to skip per row) of a packed leaf's ``region``."""
     bits, n = bits_of(record.dtype), record.shape[-1]
     index = tuple(region) if region is not None else (slice(None),) * len(record.shape)
     start, stop = _last_axis(index, n)

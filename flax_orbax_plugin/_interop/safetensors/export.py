@@ -252,10 +252,8 @@ def _write(outputs: tuple, shards, tensors, read, meta, force, progress, limit) 
 
 
 def export_checkpoint(src: Any, out: Any, **options: Any) -> ExportResult:
-    """``flax-orbax export``: :func:`to_safetensors` of one of this plugin's checkpoints.
-
-    The header's metadata says nothing about the machine (files are published): at
-    most the step number and the item's name within it, never a path."""
+    """``flax-orbax export``: :func:`to_safetensors` of one of this plugin's checkpoints;
+    the header's metadata names no path (files are published)."""
     src = Location.from_path(src)
     fmt = "pt" if options.get("transpose_kernels") else "flax"
     meta = {"format": fmt, **_provenance(src), "exported_by": "flax-orbax"}
