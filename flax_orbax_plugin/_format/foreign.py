@@ -16,8 +16,6 @@ from .._storage.location import Location
 from .._storage.untrusted import entry_kind, open_regular
 from .layout import MANIFEST_FILE, METADATA_FILE
 
-# -- Orbax ----------------------------------------------------------------------------
-
 STEP_METADATA = "_CHECKPOINT_METADATA"  # a step's (or a lone item's) handler record
 ITEM_METADATA = "_METADATA"  # a pytree item's tree metadata
 COMMIT_FILE = "commit_success.txt"  # orbax's commit mark where it cannot rename (GCS)
@@ -133,8 +131,6 @@ def subdir(loc: Location, name: str, role: str) -> Location | None:
     return loc.child(name)
 
 
-# -- Flax msgpack ----------------------------------------------------------------------
-
 _MSGPACK_FIXMAP = range(0x80, 0x90)
 _MSGPACK_MAP16_32 = (0xDE, 0xDF)
 
@@ -153,8 +149,6 @@ def is_msgpack_checkpoint(path: Any) -> bool:
         os.close(fd)
     return bool(first) and (first[0] in _MSGPACK_FIXMAP or first[0] in _MSGPACK_MAP16_32)
 
-
-# -- safetensors -----------------------------------------------------------------------
 
 SAFETENSORS_SUFFIXES = (".safetensors", ".safetensors.index.json")
 
@@ -195,9 +189,6 @@ def refuse_foreign_run(loc: Location, *, writing: bool) -> None:
         f"steps only. {read} read it directly; `flax-orbax import {loc} <new directory>` "
         f"(fop.import_orbax, fop.import_msgpack) converts it into steps a manager reads"
     )
-
-
-# -- for error messages ------------------------------------------------------------------
 
 
 def foreign_format_hint(loc: Location) -> str:

@@ -86,8 +86,6 @@ from .records import step_dir as step_dir
 STEP_NAME = r"(0|[1-9][0-9]{0,17})"
 STEP_RE = re.compile(rf"^{STEP_NAME}$", re.ASCII)
 
-# -- checked reads and the validators only a reader uses ----------------------------------
-
 
 def _checked(raw: bytes, where: str, expected: str) -> bytes:
     """``raw``, whose sha256 must be ``expected`` (recorded at commit)."""
@@ -114,9 +112,6 @@ def opt_str(obj: Mapping, key: str, where: str, *, limit: int = 1000) -> str:
 # A leaf's optional content digest: "<algorithm>:<hex>" (this version writes xxh3_128r;
 # earlier ones wrote xxh3_128, still valid to read).
 _LEAF_DIGEST = re.compile(r"^[a-z0-9_]{1,32}:[0-9a-f]{16,128}$", re.ASCII)
-
-
-# -- a checkpoint's metadata ---------------------------------------------------------------
 
 
 def document_from_json(obj: Any, where: str) -> CheckpointDocument:
@@ -203,9 +198,6 @@ class _TreeShape:
             return "a leaf with no other leaf under it", list(keys[-1]) if keys else []
         self._form[node] = "leaf"
         return None
-
-
-# -- leaves and batches -----------------------------------------------------------------
 
 
 def batch_from_json(name: str, obj: Any, where: str, process_count: int) -> BatchRecord:
@@ -406,9 +398,6 @@ def _keys(keys: Any, bad: Any) -> tuple[tuple[str, Any], ...]:
     return tuple(out)
 
 
-# -- the step manifest --------------------------------------------------------------------
-
-
 def manifest_from_bytes(raw: bytes, where: str) -> StepManifest:
     """The step manifest ``raw`` (``<step>/_CHECKPOINT.json``), every field checked."""
     body = parse_sealed(raw, where, _local_files.STEP_MANIFEST)
@@ -439,9 +428,6 @@ def manifest_from_bytes(raw: bytes, where: str) -> StepManifest:
     processes = int_field(body, "process_count", where, "process_count", lo=1, hi=MAX_PROCESSES)
     time, digest = time_field(body, "time", where, "time"), opt_str(body, "tree_digest", where)
     return StepManifest(step, items, files, processes, time, digest, written, reused, lane)
-
-
-# -- the records of a committed step, read from storage -----------------------------------
 
 
 def read_manifest(step_loc: Location) -> StepManifest:

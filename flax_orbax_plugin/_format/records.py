@@ -134,9 +134,6 @@ def is_safe_name(name: Any) -> bool:
     return isinstance(name, str) and bool(_SAFE_NAME.match(name)) and ".." not in name
 
 
-# -- checksums and JSON -------------------------------------------------------------------
-
-
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -167,9 +164,6 @@ def parse_sealed(raw: bytes, where: str, kind: _local_files.DocKind) -> dict[str
     if sha256(canonical) != checksum:
         raise CorruptCheckpointError(f"{where}: checksum mismatch: the file was changed or damaged")
     return body
-
-
-# -- validation helpers ------------------------------------------------------------------
 
 
 _REPR = reprlib.Repr()
@@ -268,8 +262,6 @@ def batch_name(process: int, dtype: str) -> str:
 # A batch's files hold checksummed inner chunks of about 64 KiB, not recorded: every
 # reader derives them from the batch's record (:attr:`BatchRecord.inner`): the format's rule.
 BATCH_INNER_CHUNK_BYTES = 64 << 10
-
-# -- leaves and batches -----------------------------------------------------------------
 
 
 _CODEC = re.compile(r"^zstd:(?:[1-9]|1[0-9]|2[0-2])$", re.ASCII)
@@ -383,8 +375,6 @@ class BatchRecord:
         return out
 
 
-# -- names on disk --------------------------------------------------------------------------
-
 FORMAT_NAME = "flax_orbax_plugin"
 FORMAT_VERSION = 1
 LATEST_FORMAT_VERSION = 2  # _METADATA.json: 1 (a file per chunk) or 2 (data files)
@@ -422,9 +412,6 @@ def iterator_state_file(process_index: int) -> str:
     return f"process_{process_index}.json"
 
 
-# -- a checkpoint's metadata ---------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class CheckpointDocument:
     """``_METADATA.json``: every leaf of one pytree and the batches of small leaves."""
@@ -449,9 +436,6 @@ class CheckpointDocument:
             "leaves": [leaf.to_json() for leaf in self.leaves],
             "batches": {name: b.to_json() for name, b in self.batches.items()},
         }
-
-
-# -- commit records -----------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)

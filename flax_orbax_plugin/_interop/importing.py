@@ -56,8 +56,6 @@ from .safetensors.reader import from_safetensors
 
 __all__ = ["import_checkpoint", "import_msgpack", "import_orbax"]
 
-# -- which step an imported state is written as ---------------------------------
-
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -151,9 +149,6 @@ def refuse_existing(out_dir: Any, held: list[int], numbers: list[int], force: bo
         )
 
 
-# -- which items an imported state becomes ------------------------------------------
-
-
 ImportedStep = tuple[dict[str, Any], dict[str, Any] | None]  # (items, extras)
 
 
@@ -228,9 +223,6 @@ def _refuse_reserved(items: Mapping[str, Any], origin: Mapping[str, str], source
                 f"the item name {name!r} for {what}; nothing of this step was imported: "
                 f"save the tree under another item name"
             )
-
-
-# -- the importers --------------------------------------------------------------------
 
 
 _NOT_ORBAX = (

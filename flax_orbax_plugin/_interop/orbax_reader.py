@@ -291,9 +291,6 @@ def restore_orbax(
     return {k: restore_item(items[k], v, partial, allow_cast) for k, v in like.items()}
 
 
-# -- params for serving ----------------------------------------------------------------
-
-
 def _params_source(items: dict[str, OrbaxItem]) -> tuple[OrbaxItem, tuple[str, ...]]:
     """The item holding params and their key prefix in it (never one past a missing item)."""
     params = items.get("params")

@@ -140,8 +140,6 @@ def open_for_read(array_spec: dict[str, Any]) -> ts.Future:
     return ts.open(array_spec, open=True, context=_context_for(array_spec))
 
 
-# -- tensorstore's errors: damage or environment -------------------------------------
-
 # Statuses that prove the stored bytes are wrong or absent: a checksum (DATA_LOSS), a
 # size or a zarr.json that disagrees (FAILED_PRECONDITION), bytes that do not decode
 # (INVALID_ARGUMENT, OUT_OF_RANGE), a chunk that is not there (NOT_FOUND).
@@ -182,9 +180,6 @@ def environmental(error: BaseException) -> OSError | None:
     return OSError(os_errno or _STATUS_ERRNO.get(status.group(1), errno.EIO), shown)
 
 
-# -- the arrays of a checkpoint's records ------------------------------------------------
-
-
 def leaf_spec(root: Location, index: int, record: LeafRecord) -> dict[str, Any]:
     """The spec of leaf number ``index``'s own array under ``root`` (packed: its bytes)."""
     record = _subbyte.stored(record)
@@ -201,8 +196,6 @@ def batch_spec(root: Location, batch: BatchRecord) -> dict[str, Any]:
         root, sub, [batch.size], batch.dtype, chunk, itemsize, inner_chunk=inner, codec=batch.codec
     )
 
-
-# -- format version 2's compressed segments --------------------------------------------
 
 MEMORY = Location.from_path("memory://")  # the root the specs below are built under
 _ZARR_JSON = b"zarr.json"

@@ -136,8 +136,6 @@ def usable(location: Any) -> bool:
     )
 
 
-# -- what the files of an array must hold (checked before anything is allocated) ------
-
 # A zstd frame decodes to at most ~26,000x its size (every 128 KiB block needs at
 # least ~5 bytes); a bound above that, for claims about compressed chunk files.
 MAX_COMPRESSION_RATIO = 1 << 16

@@ -292,9 +292,6 @@ def _key(sub: str, cell) -> str:
     return "/".join([sub, *_chunks.chunk_parts(cell)]) if cell else f"{sub}/c"
 
 
-# -- format version 2's data index, read back: every field checked before use --------------
-
-
 _DATA_FILE = re.compile(r"^(0|[1-9][0-9]{0,8})-(0|[1-9][0-9]{0,8})\.bin$", re.ASCII)
 _KEY = re.compile(r"^(d/(0|[1-9][0-9]*)|b/[A-Za-z0-9][A-Za-z0-9_.-]*)/c(/(0|[1-9][0-9]*))+$")
 _ARRAY = re.compile(r"^(d/(0|[1-9][0-9]*)|b/[A-Za-z0-9][A-Za-z0-9_.-]*)$")

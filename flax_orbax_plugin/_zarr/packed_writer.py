@@ -81,8 +81,6 @@ class ChunkWriter:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- arrays ------------------------------------------------------------------------
-
     def array(
         self,
         sub: str,
@@ -112,8 +110,6 @@ class ChunkWriter:
         else:
             trailer = np.frombuffer(crc.to_bytes(_chunks.CRC_BYTES, "little"), np.uint8)
         self._write_file(name, [payload, trailer])
-
-    # -- batches (sharding_indexed) -----------------------------------------------------
 
     def batch(
         self, sub: str, chunk: int, inner: int, data: np.ndarray | Gathered

@@ -137,8 +137,6 @@ def remove_stale(
         remove_if_ours(directory, os.path.basename(single), stem)  # an unsharded export
 
 
-# -- one export's files ----------------------------------------------------------------
-
 _GROUP_BYTES = 64 << 20  # leaves read per partial restore when exporting a checkpoint
 
 
