@@ -299,7 +299,6 @@ _DTYPE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
 
 def index_from_json(obj: Any, where: str, process: int) -> DataIndex:
-
     def bad(field: str, expected: str, found: Any):
         shown = repr(found)[:80]
         raise CorruptCheckpointError(f"{where}: field {field}: expected {expected}, found {shown}")
@@ -592,8 +591,10 @@ class RangeReads:
             entry = self._range_of.get(key)
             if entry is None or self._left[key] <= 0:
                 return None
-            if entry.future is None:
-                entry = self._start(entry, key)
+            if entry.future is None:  # past the memory bound: a piece of it, from key on
+                if self._held_bytes and self._held_bytes + entry.nbytes > FETCH_BYTES:
+                    entry = self._split(entry, key)
+                self._issue(entry)
             self._left[key] -= 1
             if self._left[key] == 0:
                 del self._range_of[key], self._left[key]
@@ -604,13 +605,6 @@ class RangeReads:
         lo = segment.offset - entry.start
         value = entry.bytes()[lo : lo + segment.length]
         return value if len(value) == segment.length else None
-
-    def _start(self, entry: _Range, key: str) -> _Range:
-        """Issues ``entry``'s GET, or past the memory bound a piece of it from ``key`` on."""
-        if self._held_bytes and self._held_bytes + entry.nbytes > FETCH_BYTES:
-            entry = self._split(entry, key)
-        self._issue(entry)
-        return entry
 
     def _issue(self, entry: _Range) -> None:
         if entry.whole is not None:
