@@ -260,22 +260,6 @@ def refuse_inside_checkpoint(out_dir: Any) -> None:
         )
 
 
-def refuse_inside_source(src: Any, out_dir: Any) -> None:
-    """UnsupportedLocationError when ``out_dir`` lies inside ``src`` (links resolved)."""
-    s, o = Location.from_path(src), Location.from_path(out_dir)
-    if s.is_local and o.is_local:
-        a, b = os.path.realpath(s.path), os.path.realpath(o.path)
-        inside = a != b and os.path.commonpath([a, b]) == a
-    else:
-        where = lambda loc: (loc.spec.get("driver"), loc.spec.get("bucket"))
-        inside = where(s) == where(o) and o.path.startswith(s.path.rstrip("/") + "/")
-    if inside:
-        raise UnsupportedLocationError(
-            f"import output {out_dir}: lies inside the source {src}; an import never "
-            f"writes into what it reads: import into a directory outside it"
-        )
-
-
 def save_steps(
     out_dir: Any,
     steps: Iterable[tuple[int, ImportedStep]],
@@ -399,9 +383,21 @@ def import_checkpoint(
 
 
 def _check(src: Any, out_dir: Any, options: dict[str, Any]) -> None:
-    """An importer's front, before it reads: ``options`` checked, ``out_dir`` not in ``src``."""
+    """An importer's front, before it reads: ``options`` checked; UnsupportedLocationError
+    when ``out_dir`` lies inside ``src`` (links resolved)."""
     check(_options.IMPORT, options)
-    refuse_inside_source(src, out_dir)
+    s, o = Location.from_path(src), Location.from_path(out_dir)
+    if s.is_local and o.is_local:
+        a, b = os.path.realpath(s.path), os.path.realpath(o.path)
+        inside = a != b and os.path.commonpath([a, b]) == a
+    else:
+        where = lambda loc: (loc.spec.get("driver"), loc.spec.get("bucket"))
+        inside = where(s) == where(o) and o.path.startswith(s.path.rstrip("/") + "/")
+    if inside:
+        raise UnsupportedLocationError(
+            f"import output {out_dir}: lies inside the source {src}; an import never "
+            f"writes into what it reads: import into a directory outside it"
+        )
 
 
 def _import_safetensors(src: Any, out_dir: Any, options: dict[str, Any], source: Any) -> list[int]:

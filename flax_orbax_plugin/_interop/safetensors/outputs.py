@@ -47,10 +47,8 @@ def output_names(out: str, count: int) -> tuple[str, list[str], str]:
             f"{out}: expected a directory for the export (or a path ending in "
             f".safetensors), found a file at {there}"
         )
-    if count == 1:
-        return directory, [f"{stem}.safetensors"], f"{stem}{INDEX_SUFFIX}"
     names = [f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-    return directory, names, f"{stem}{INDEX_SUFFIX}"
+    return directory, names if count > 1 else [f"{stem}.safetensors"], f"{stem}{INDEX_SUFFIX}"
 
 
 def proven_ours(path: str) -> tuple[dict | None, str]:
