@@ -520,8 +520,7 @@ def read_listed(location: Location, name: str, *, listed: dict[str, str]) -> byt
 
 
 def read_listed_document(location: Location, listed: dict[str, str]) -> CheckpointDocument:
-    """The validated metadata at ``location``, checked against ``listed``, which rides
-    along on it for the read's other JSON files."""
+    """The validated metadata at ``location``, checked against ``listed`` (kept on it)."""
     where = f"{location}/{METADATA_FILE}"
     raw = read_listed(location, METADATA_FILE, listed=listed)
     doc = document_from_json(_local_files.parse(raw, where, _local_files.METADATA), where)

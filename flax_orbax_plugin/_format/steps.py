@@ -84,8 +84,7 @@ class Listing:
     unfinished: tuple[str, ...]
     corrupt: tuple[str, ...]
     foreign: tuple[str, ...]
-    # step folders an environmental error (a permission, an I/O error) kept shut:
-    # ``(step, why)``; neither committed (nothing proves it) nor damaged (nothing read)
+    # ``(step, why)`` an environmental error kept shut: neither committed nor damaged
     unreadable: tuple[tuple[int, str], ...] = ()
 
     @property

@@ -232,8 +232,7 @@ _NOT_ORBAX = (
 
 
 def refuse_foreign_targets(out_dir: Any, numbers: Iterable[int]) -> None:
-    """ForeignEntryError when ``out_dir`` holds an entry named like one of ``numbers``
-    that is not a committed step of ours (it would be replaced)."""
+    """ForeignEntryError for an entry of ``out_dir`` named like one of ``numbers``, not ours."""
     loc = Location.from_path(out_dir)
     if loc.is_local and not os.path.isdir(loc.path):
         return  # nothing there yet (or the manager will refuse what is there)
@@ -401,8 +400,7 @@ def _check(src: Any, out_dir: Any, options: dict[str, Any]) -> None:
 
 
 def _import_safetensors(src: Any, out_dir: Any, options: dict[str, Any], source: Any) -> list[int]:
-    """Writes safetensors ``source`` as item ``params`` of step ``options["step"]`` (the
-    files name none) of ``out_dir``; returns ``[step]``."""
+    """Writes safetensors ``source`` as item ``params`` of step ``options["step"]``."""
     _check(src, out_dir, options)
     number = choose_step(str(src), given=options["step"], named=None, stored=None)
     limit = options["memory_limit_bytes"]

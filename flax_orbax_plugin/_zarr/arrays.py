@@ -41,8 +41,7 @@ def chunk_shape(
     must_divide: bool,
     target: int | None = None,
 ) -> list[int]:
-    """A chunk of at most ~``target`` bytes, splitting leading axes first; with
-    ``must_divide`` (several writers) it divides ``shard_shape``."""
+    """A chunk of at most ~``target`` bytes (``must_divide``: dividing ``shard_shape``)."""
     target = target or CHUNK_TARGET_BYTES
     chunk = [max(1, s) for s in shard_shape]
     for axis in range(len(chunk)):

@@ -145,10 +145,8 @@ def _groups(tensors: list[Tensor], limit: int | None) -> list[list[Tensor]]:
 
 
 class Staged:
-    """The temporary files of one export, named by its nonce after its marker: call
-    :meth:`write`, :meth:`place` each of :attr:`shard_tmps`, :meth:`write_index`, then
-    :meth:`done`; or on failure :meth:`discard` (every file it created, then the
-    marker). One thread."""
+    """The temporary files of one export, named by its marker's nonce: :meth:`write`,
+    :meth:`place` each shard, :meth:`write_index`, :meth:`done` (or :meth:`discard`). One thread."""
 
     def __init__(
         self, directory: str, names: list[str], shards: list[list[Tensor]], meta: dict[str, str]
