@@ -16,8 +16,6 @@ from .._storage.location import Location
 from .._storage.untrusted import entry_kind, open_regular
 from .layout import MANIFEST_FILE, METADATA_FILE
 
-# -- Orbax ----------------------------------------------------------------------------
-
 STEP_METADATA = "_CHECKPOINT_METADATA"  # a step's (or a lone item's) handler record
 ITEM_METADATA = "_METADATA"  # a pytree item's tree metadata
 COMMIT_FILE = "commit_success.txt"  # orbax's commit mark where it cannot rename (GCS)
@@ -34,9 +32,7 @@ def is_step(loc: Location) -> bool:
 
 def is_orbax_checkpoint(path: Any) -> bool:
     """True when ``path`` is an Orbax item, step or manager directory (never one of ours):
-    a manager directory's newest step-named entry that is a step of anyone's decides (a
-    folder of the user's or a step of ours: no); one holding only an unfinished Orbax save
-    is one."""
+    a manager directory's newest step-named entry that is a step of anyone's decides."""
     try:
         loc = Location.from_path(path)
     except (TypeError, ValueError):
@@ -91,8 +87,7 @@ def legacy_step(step_loc: Location) -> bool:
 
 
 def not_finalized(step_loc: Location) -> str | None:
-    """Why the directory ``step_loc`` (named like a step) is no finalized Orbax step, or
-    None (on GCS, orbax finalizes by writing ``commit_success.txt`` last)."""
+    """Why the directory ``step_loc`` (named like a step) is no finalized Orbax step, or None."""
     if any(step_loc.exists(n) for n in OWN_FILES):
         return OURS
     if not step_loc.exists(STEP_METADATA) and not legacy_step(step_loc):
@@ -105,8 +100,7 @@ def not_finalized(step_loc: Location) -> str | None:
 
 
 def unfinished(loc: Location, record: Any) -> str | None:
-    """Why the Orbax step or item at ``loc`` (``record``: its parsed
-    ``_CHECKPOINT_METADATA`` or None) is a save Orbax never finished, or None."""
+    """Why the Orbax step or item at ``loc`` (``record``: its parsed record) is unfinished."""
     if TMP_MARK in loc.name:
         return f"its name holds {TMP_MARK!r}: Orbax renames a save into place once finished"
     if TMP_MARK in loc.parent.name:
@@ -137,8 +131,6 @@ def subdir(loc: Location, name: str, role: str) -> Location | None:
     return loc.child(name)
 
 
-# -- Flax msgpack ----------------------------------------------------------------------
-
 _MSGPACK_FIXMAP = range(0x80, 0x90)
 _MSGPACK_MAP16_32 = (0xDE, 0xDF)
 
@@ -158,14 +150,11 @@ def is_msgpack_checkpoint(path: Any) -> bool:
     return bool(first) and (first[0] in _MSGPACK_FIXMAP or first[0] in _MSGPACK_MAP16_32)
 
 
-# -- safetensors -----------------------------------------------------------------------
-
 SAFETENSORS_SUFFIXES = (".safetensors", ".safetensors.index.json")
 
 
 def safetensors_source(path: Any) -> str | list[str] | None:
-    """What a safetensors reader takes for local ``path``: the file itself, a directory's
-    one index, else its ``.safetensors`` files (sorted); None when it holds none."""
+    """What a safetensors reader takes for local ``path``; None when it holds none."""
     path = os.fspath(path)
     if os.path.isfile(path):
         return path if path.endswith(SAFETENSORS_SUFFIXES) else None
@@ -200,9 +189,6 @@ def refuse_foreign_run(loc: Location, *, writing: bool) -> None:
         f"steps only. {read} read it directly; `flax-orbax import {loc} <new directory>` "
         f"(fop.import_orbax, fop.import_msgpack) converts it into steps a manager reads"
     )
-
-
-# -- for error messages ------------------------------------------------------------------
 
 
 def foreign_format_hint(loc: Location) -> str:

@@ -1,12 +1,8 @@
-"""The on-disk layout, format version 1: the only place that knows the JSON field names and
-the names on disk (FORMAT.md is the specification). ``records``: the dtypes and the
-records as a writer makes them (their names readers use are re-exported here, ``X as X``);
-here: each record read back from storage, every field checked before anything sized by
-it is allocated, and the JSON files of a committed step read against the checksums its
-commit recorded (never following a link). Each raises :class:`CorruptCheckpointError`
-naming the file and the field; where no commit lists a place, the words for it are
-``steps``'. Last, the frozen result types of :func:`flax_orbax_plugin.metadata`, made
-from the records. Any thread.
+"""The on-disk layout, format version 1 (FORMAT.md is the specification), read back: each
+record from storage, every field checked before anything sized by it is allocated, and
+the JSON files of a committed step read against the checksums its commit recorded (never
+following a link); ``records`` makes them (re-exported here, ``X as X``). Also the
+result types of :func:`flax_orbax_plugin.metadata`. Any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.layout``.
 """
@@ -90,8 +86,6 @@ from .records import step_dir as step_dir
 STEP_NAME = r"(0|[1-9][0-9]{0,17})"
 STEP_RE = re.compile(rf"^{STEP_NAME}$", re.ASCII)
 
-# -- checked reads and the validators only a reader uses ----------------------------------
-
 
 def _checked(raw: bytes, where: str, expected: str) -> bytes:
     """``raw``, whose sha256 must be ``expected`` (recorded at commit)."""
@@ -118,9 +112,6 @@ def opt_str(obj: Mapping, key: str, where: str, *, limit: int = 1000) -> str:
 # A leaf's optional content digest: "<algorithm>:<hex>" (this version writes xxh3_128r;
 # earlier ones wrote xxh3_128, still valid to read).
 _LEAF_DIGEST = re.compile(r"^[a-z0-9_]{1,32}:[0-9a-f]{16,128}$", re.ASCII)
-
-
-# -- a checkpoint's metadata ---------------------------------------------------------------
 
 
 def document_from_json(obj: Any, where: str) -> CheckpointDocument:
@@ -177,9 +168,8 @@ def _check_leaves(leaves: tuple[LeafRecord, ...], batches: dict[str, BatchRecord
 
 
 class _TreeShape:
-    """The nodes the leaves' key paths make, checked to form one pytree: a node's children
-    all list entries or all mapping entries, one mapping's keys all ``str`` or all ``int``
-    (jax cannot order mixed keys), no leaf also a node. One entry per key path prefix."""
+    """The nodes the leaves' key paths make, checked to form one pytree (jax cannot order
+    a mapping's mixed ``str`` and ``int`` keys; no leaf is also a node)."""
 
     def __init__(self):
         self._child: dict[tuple[int, str, Any], int] = {}
@@ -208,9 +198,6 @@ class _TreeShape:
             return "a leaf with no other leaf under it", list(keys[-1]) if keys else []
         self._form[node] = "leaf"
         return None
-
-
-# -- leaves and batches -----------------------------------------------------------------
 
 
 def batch_from_json(name: str, obj: Any, where: str, process_count: int) -> BatchRecord:
@@ -258,9 +245,6 @@ def leaf_from_json(obj: Any, where: str, index: int) -> LeafRecord:
     if not (digest is None or (isinstance(digest, str) and _LEAF_DIGEST.match(digest))):
         bad("digest", "absent or '<algorithm>:<hex>' (e.g. 'xxh3_128:' and 32 hex)", digest)
     return LeafRecord(path, keys, kind, shape, dtype, sharding, storage, impl, digest)
-
-
-# The parts of leaf_from_json; ``bad(field, expected, found)`` raises.
 
 
 def _text_field(obj: dict, kind: str, bad) -> str:
@@ -367,8 +351,7 @@ def text_value(record: LeafRecord) -> str | bytes:
 
 
 def text_bytes(value: str, on_error) -> bytes:
-    """``value`` (base64) decoded; ``on_error()`` is called (and must raise) if it is not
-    base64 of at most MAX_TEXT_BYTES bytes."""
+    """``value`` (base64) decoded; else ``on_error()``, which must raise."""
     try:
         data = base64.b64decode(value.encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError, ValueError):
@@ -415,9 +398,6 @@ def _keys(keys: Any, bad: Any) -> tuple[tuple[str, Any], ...]:
     return tuple(out)
 
 
-# -- the step manifest --------------------------------------------------------------------
-
-
 def manifest_from_bytes(raw: bytes, where: str) -> StepManifest:
     """The step manifest ``raw`` (``<step>/_CHECKPOINT.json``), every field checked."""
     body = parse_sealed(raw, where, _local_files.STEP_MANIFEST)
@@ -450,9 +430,6 @@ def manifest_from_bytes(raw: bytes, where: str) -> StepManifest:
     return StepManifest(step, items, files, processes, time, digest, written, reused, lane)
 
 
-# -- the records of a committed step, read from storage -----------------------------------
-
-
 def read_manifest(step_loc: Location) -> StepManifest:
     """The validated manifest of a committed step (checksum checked)."""
     raw = step_loc.read_bytes(MANIFEST_FILE)
@@ -474,8 +451,7 @@ def _checked_manifest(step_loc: Location, raw: bytes) -> StepManifest:
 
 
 def _check_item_folders(step_loc: Location, manifest: StepManifest) -> None:
-    """On local disk, every item folder the manifest names must be a directory of the
-    step itself, never a link (a missing one is left to the item's reader)."""
+    """On local disk, an item folder the manifest names must be a directory, never a link."""
     if not step_loc.is_local:
         return
     kinds = step_loc.child_kinds()
@@ -529,8 +505,7 @@ def item_checksums(manifest: StepManifest, item_dir: str) -> dict[str, str]:
 
 
 def read_listed(location: Location, name: str, *, listed: dict[str, str]) -> bytes:
-    """The JSON file ``name`` of a committed checkpoint, checked against ``listed``
-    (:func:`committed_checksums`); CorruptCheckpointError if unlisted, missing or changed."""
+    """The JSON file ``name`` of a committed checkpoint, checked against ``listed``."""
     where = f"{location}/{name}"
     expected = listed.get(name)
     if expected is None:
@@ -545,9 +520,7 @@ def read_listed(location: Location, name: str, *, listed: dict[str, str]) -> byt
 
 
 def read_listed_document(location: Location, listed: dict[str, str]) -> CheckpointDocument:
-    """The validated metadata of the committed checkpoint or step item at ``location``,
-    checked against ``listed`` (:func:`committed_checksums`), which rides along on it so
-    that the read's other JSON files are checked without reading the commit again."""
+    """The validated metadata at ``location``, checked against ``listed`` (kept on it)."""
     where = f"{location}/{METADATA_FILE}"
     raw = read_listed(location, METADATA_FILE, listed=listed)
     doc = document_from_json(_local_files.parse(raw, where, _local_files.METADATA), where)

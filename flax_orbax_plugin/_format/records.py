@@ -1,9 +1,6 @@
-"""Format version 1's records as a writer makes them: the dtypes a checkpoint may hold
-(declared once), checked JSON (checksums, canonical bytes, the field validators every
-reader shares), bounds, the records of a leaf and a batch, the names on disk,
-``_METADATA.json``'s document and the commit records.
-
-Pure functions over immutable records (the dtype lookups cached); any thread.
+"""Format version 1's records as a writer makes them: the dtypes (declared once), checked
+JSON, bounds, the leaf and batch records, the names on disk, the commit records. Pure
+functions over immutable records; any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._format.records``.
 """
@@ -30,10 +27,8 @@ from .._storage import local_files as _local_files
 
 @dataclasses.dataclass(frozen=True)
 class Dtype:
-    """One dtype a checkpoint may hold. ``name``: numpy's (ml_dtypes'), as records store
-    it; ``bits``: of one value (under 8: sub-byte, one value per byte in memory);
-    ``zarr``: its arrays' zarr3 ``data_type`` (its own name where tensorstore knows it,
-    else ``uint8``: the same byte per value); ``safetensors``: its tag, or None."""
+    """One dtype a checkpoint may hold: numpy's ``name``, ``bits`` per value (under 8:
+    sub-byte), its zarr3 ``data_type`` (else ``uint8``), its ``safetensors`` tag or None."""
 
     name: str
     bits: int
@@ -118,9 +113,7 @@ def dtype_from_name(name: str, *, path: str = "?") -> np.dtype:
 
 
 def packable(name: str, shape, chunk) -> bool:
-    """Whether a leaf of dtype ``name``, ``shape`` and ``chunk`` shape is stored packed
-    (``packed_array``): a sub-byte dtype, at least one axis and no empty one, and
-    chunks whose last axis is whole bytes (or the whole axis). FORMAT.md."""
+    """Whether a leaf of dtype ``name``, ``shape`` and ``chunk`` is stored packed (FORMAT.md)."""
     bits = DTYPES[name].bits
     if bits >= 8 or not shape or 0 in shape:
         return False
@@ -141,9 +134,6 @@ def is_safe_name(name: Any) -> bool:
     return isinstance(name, str) and bool(_SAFE_NAME.match(name)) and ".." not in name
 
 
-# -- checksums and JSON -------------------------------------------------------------------
-
-
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -154,8 +144,7 @@ def encode(obj: Any) -> bytes:
 
 
 def seal(body: dict[str, Any], kind: _local_files.DocKind | None = None) -> bytes:
-    """JSON bytes of ``body`` plus a ``checksum`` of its own canonical form; with
-    ``kind``, refused (StructureError) past what a reader of that kind accepts."""
+    """JSON bytes of ``body`` plus its ``checksum``; with ``kind``, bounded as its reader's."""
     sealed = dict(body, checksum=sha256(encode(body)))
     if kind is None:
         return encode(sealed)
@@ -175,9 +164,6 @@ def parse_sealed(raw: bytes, where: str, kind: _local_files.DocKind) -> dict[str
     if sha256(canonical) != checksum:
         raise CorruptCheckpointError(f"{where}: checksum mismatch: the file was changed or damaged")
     return body
-
-
-# -- validation helpers ------------------------------------------------------------------
 
 
 _REPR = reprlib.Repr()
@@ -277,8 +263,6 @@ def batch_name(process: int, dtype: str) -> str:
 # reader derives them from the batch's record (:attr:`BatchRecord.inner`): the format's rule.
 BATCH_INNER_CHUNK_BYTES = 64 << 10
 
-# -- leaves and batches -----------------------------------------------------------------
-
 
 _CODEC = re.compile(r"^zstd:(?:[1-9]|1[0-9]|2[0-2])$", re.ASCII)
 
@@ -296,8 +280,7 @@ def check_codec(codec: Any, *, where: str = "compression") -> str | None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ArrayStorage:
-    """A leaf stored as its own zarr3 array ``d/<index>/``; ``codec`` compresses it;
-    ``packed``: a sub-byte dtype's values packed into bits (``_zarr/chunks.py``)."""
+    """A leaf stored as its own zarr3 array ``d/<index>/``, maybe compressed or packed."""
 
     chunk_shape: tuple[int, ...]
     codec: str | None = None
@@ -306,8 +289,7 @@ class ArrayStorage:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BatchStorage:
-    """A small leaf stored at ``offset`` (elements) in the 1-D batch array ``b/<batch>/``;
-    ``packed``: a sub-byte leaf's values packed into ``size`` bytes of a ``uint8`` batch."""
+    """A small leaf at ``offset`` (elements) in the batch ``b/<batch>/`` (packed: in bytes)."""
 
     batch: str
     offset: int
@@ -393,8 +375,6 @@ class BatchRecord:
         return out
 
 
-# -- names on disk --------------------------------------------------------------------------
-
 FORMAT_NAME = "flax_orbax_plugin"
 FORMAT_VERSION = 1
 LATEST_FORMAT_VERSION = 2  # _METADATA.json: 1 (a file per chunk) or 2 (data files)
@@ -432,9 +412,6 @@ def iterator_state_file(process_index: int) -> str:
     return f"process_{process_index}.json"
 
 
-# -- a checkpoint's metadata ---------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class CheckpointDocument:
     """``_METADATA.json``: every leaf of one pytree and the batches of small leaves."""
@@ -461,9 +438,6 @@ class CheckpointDocument:
         }
 
 
-# -- commit records -----------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class ItemEntry:
     """One checkpointable of a step: its kind and the directory holding it."""
@@ -475,9 +449,7 @@ class ItemEntry:
 @dataclasses.dataclass(frozen=True)
 class StepManifest:
     """``<step>/_CHECKPOINT.json``: the one commit of a manager step. ``files``: the sha256
-    of every JSON file restore trusts, by path in the step; ``tree_digest``: the digest all
-    processes agreed on; ``bytes_written``, ``bytes_reused`` (one process): informational;
-    ``lane``: the :data:`LANES` lane the step was saved in (retention goes by it later)."""
+    of every JSON file restore trusts; ``lane``: the lane the step was saved in."""
 
     step: int
     items: dict[str, ItemEntry]

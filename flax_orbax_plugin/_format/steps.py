@@ -84,8 +84,7 @@ class Listing:
     unfinished: tuple[str, ...]
     corrupt: tuple[str, ...]
     foreign: tuple[str, ...]
-    # step folders an environmental error (a permission, an I/O error) kept shut:
-    # ``(step, why)``; neither committed (nothing proves it) nor damaged (nothing read)
+    # ``(step, why)`` an environmental error kept shut: neither committed nor damaged
     unreadable: tuple[tuple[int, str], ...] = ()
 
     @property
@@ -131,8 +130,7 @@ def list_directory(loc: Location) -> Listing:
 
 
 def committed_steps(loc: Location, listing: Listing | None = None) -> list[int]:
-    """The committed steps of ``loc`` (``listing``: its listing, when made), ascending. A
-    step folder the environment keeps shut is left out, with a warning naming it."""
+    """The committed steps of ``loc``, ascending; a step folder shut is left out, warned of."""
     listing = listing if listing is not None else list_directory(loc)
     for step, why in listing.unreadable:
         warn_unreadable(loc, step, why)
@@ -162,9 +160,8 @@ _W = TypeVar("_W")
 
 
 def newest_readable(loc: Location, steps: Sequence[int], read: Callable[[int], _T]) -> _T:
-    """``read(step)`` of the newest of ``steps`` (ascending) that the environment lets be
-    read (a step shut by an environmental error is warned about and skipped); damage
-    propagates; when every step is shut, the newest one's error."""
+    """``read(step)`` of the newest of ``steps`` (ascending) not shut by an environmental
+    error (warned of, skipped); damage propagates; all shut: the newest one's error."""
     if not steps:
         raise CheckpointNotFoundError(f"no committed steps in {loc}{foreign_format_hint(loc)}")
     first: OSError | None = None
@@ -193,7 +190,6 @@ def choose_step(loc: Location, steps: list[int] | tuple[int, ...], step: int | N
 
 
 def checked_step(step: Any) -> int:
-    """``step`` checked by its one declaration (:data:`STEP`)."""
     return STEP.check(step)
 
 
@@ -202,8 +198,7 @@ def step_location(loc: Location, step: int) -> Location:
 
 
 def manifest_damage(loc: Location, step: int) -> CheckpointError | None:
-    """Why the manifest of committed ``step`` of ``loc`` does not read whole (None: it
-    does): retention neither counts nor removes such a step."""
+    """Why the manifest of committed ``step`` of ``loc`` does not read whole (None: it does)."""
     try:
         read_manifest(step_location(loc, step))
     except CheckpointError as e:
@@ -263,9 +258,7 @@ PYTREES = (CHECKPOINT, ITEM)  # what the native reader reads
 
 @dataclasses.dataclass(frozen=True)
 class Place:
-    """What is at ``location`` (:func:`classify`): its ``kind`` (a constant above) and what
-    the probes found: the step item, the listing, an unfinished save's staging file
-    (``staged``: its name, or ``"partial"`` for a staging folder beside it)."""
+    """What is at ``location`` (:func:`classify`): its ``kind`` and what the probes found."""
 
     location: Location
     kind: str
@@ -300,9 +293,7 @@ class Place:
 
 def classify(location: Location, *, steps_first: bool = False) -> Place:
     """What is at ``location``, probed in this order: ours, a step, an item, Orbax, a run,
-    an unfinished save, msgpack, nothing. ``steps_first``: list first (errors propagate),
-    so a run with committed steps costs one listing. A damaged manifest of the step
-    holding ``location`` raises CorruptCheckpointError."""
+    an unfinished save, msgpack, nothing. ``steps_first``: list first (errors propagate)."""
     listing = list_directory(location) if steps_first else None
     if listing is not None and listing.committed:
         return Place(location, RUN, listing=listing)
@@ -463,8 +454,7 @@ def _run_directory_message(location: Location, listing: Listing | None) -> str:
 
 
 def _staged(location: Location) -> str | None:
-    """The name of a staging file of ours at ``location``, or (local disk) ``"partial"``
-    for a ``<name>.partial-*`` staging beside it; None when a save never began there."""
+    """A staging file of ours at ``location``, or ``"partial"`` for a staging beside it."""
     found = next((n for n in _STAGING_FILES if location.exists(n)), None)
     if found is not None or not location.is_local:
         return found
@@ -477,7 +467,7 @@ def _staged(location: Location) -> str | None:
 
 
 def contents(loc: Location, limit: int = 5) -> str:
-    """A short list of what ``loc`` holds, for the words of a refused removal or write."""
+    """A short list of what ``loc`` holds, for messages."""
     names = loc.list_children()
     shown = ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
     run = "a CheckpointManager's directory of steps: " if committed_steps(loc) else ""
@@ -485,9 +475,8 @@ def contents(loc: Location, limit: int = 5) -> str:
 
 
 def holding_checkpoint(location: Location, *, runs: int = 0) -> str | None:
-    """The committed checkpoint of ours that ``location`` (a real path) is or lies inside, in
-    words: a step, a core checkpoint, or (``location`` and its first ``runs - 1`` parents)
-    a run holding committed steps; None when there is none. For writers' outputs."""
+    """The committed checkpoint, step or (the first ``runs`` levels) run of ours that
+    ``location`` (a real path) is or lies inside, in words; None when there is none."""
     here, level = location, 0
     while True:
         if here.exists(MANIFEST_FILE):
@@ -546,8 +535,7 @@ def no_steps(where: Location | Place, listing: Listing | None = None) -> Checkpo
 
 
 def misplaced(location: Location) -> str | None:
-    """Where ``location`` (no run itself) is one level off a run of ours: inside a
-    checkpoint, step or item, or above runs; None otherwise. ``gc``'s check."""
+    """Where ``location`` (no run itself) is one level off a run of ours, in words (``gc``)."""
     inside = folder_inside(location)
     if inside is not None:
         return f"{location} is a folder inside {inside}; point at the run directory instead"
@@ -628,8 +616,7 @@ _MARKER_FIELDS = {
 
 
 def read_at(step_loc: Location) -> tuple[dict | None, str | None]:
-    """The :data:`HOST_FILE` of the step at ``step_loc`` as a checked JSON object, or what
-    is wrong with it (``"no _HOST.json"`` when there is none)."""
+    """The :data:`HOST_FILE` of the step at ``step_loc``, checked, or what is wrong with it."""
     try:
         raw = step_loc.read_bytes(HOST_FILE, max_bytes=_local_files.HOST_MARKER.max_bytes)
         if raw is None:
@@ -672,8 +659,7 @@ class HostCopy:
         return HeldItem(self, name)
 
     def regions(self, item: str, path: str, shape: tuple[int, ...]) -> list[tuple] | None:
-        """The regions (tuples of slices) of leaf ``path`` of ``item`` this copy holds (None:
-        whole); CorruptCheckpointError for a region outside the leaf's ``shape``."""
+        """The regions of leaf ``path`` of ``item`` this copy holds (None: whole), checked."""
         if self.held is None:
             return None
         index = self.held["items"].get(item, {}).get(path)
@@ -750,8 +736,7 @@ def held_bytes(regions: list[tuple] | None, shape: tuple[int, ...], itemsize: in
 
 
 def of_step(step_loc: Location) -> tuple[HostCopy | None, str | None]:
-    """The host copy that the local step at ``step_loc`` is (None: no marker there: never
-    uploaded), or what is wrong with its marker."""
+    """The host copy the local step at ``step_loc`` is (None: no marker), or its marker's fault."""
     if not step_loc.is_local or not step_loc.exists(HOST_FILE):
         return None, None
     doc, problem = read_at(step_loc)

@@ -1,9 +1,6 @@
-"""Incremental steps: a leaf unchanged since the previous committed step is reused. In
-order: the way per store, the digests, the previous step and the plan; a reused leaf's
-chunk files (names, size, the crc32c the snapshot's bytes give each) hard-linked on a
-local filesystem (:func:`link_leaf`, no symlink followed) or copied on the server on S3
-and GCS (:func:`copy_leaf`), each checked before and after; in version 2, whole data
-files, linked or copied. Any failure removes what was linked or copied and the leaf is
+"""Incremental steps: a leaf unchanged since the previous committed step is reused, its
+chunk files (version 2: whole data files) hard-linked locally or copied on the server,
+each checked before and after; any failure removes what was taken and the leaf is
 written (never failing the save). All on the save's background thread, on every
 process, only with :class:`Reuse` given. Design notes: ``docs/incremental.md``.
 """
@@ -70,8 +67,7 @@ _LOGGED_LOCK = threading.Lock()
 def reuser(
     location: Location, *, link: Callable[..., Any], copy: Callable[..., Any]
 ) -> Callable[..., int | None] | None:
-    """How this process reuses unchanged data under ``location``: ``link`` locally, ``copy``
-    with the store's server-side copier; None where there is none (logged once)."""
+    """``link`` locally, ``copy`` with the store's server-side copier, else None (logged once)."""
     if location.is_local:
         return link
     copier, why = _server_copy.copier_for(location)
@@ -97,8 +93,7 @@ Entry = tuple[Bounds, str]  # a region and the xxh3_128 hex of its bytes
 def region_digests(
     record: LeafRecord, writes: Iterable[tuple[tuple[slice, ...], np.ndarray]]
 ) -> list[Entry]:
-    """This process's ``(bounds, xxh3_128 hex of its elements in C order as little-endian
-    bytes)`` of every region of one leaf it writes."""
+    """This process's ``(bounds, xxh3_128 hex of its little-endian bytes)`` per region."""
     shape = tuple(record.shape)
     out = []
     for region, data in writes:
@@ -113,8 +108,7 @@ def region_digests(
 
 
 def leaf_digest(entries: Iterable[Entry]) -> str:
-    """``xxh3_128r:<hex>``: XXH3-128 of the sorted lines ``start:stop,...=<hash>`` of every
-    process's ``entries`` (FORMAT.md)."""
+    """``xxh3_128r:<hex>`` of every process's ``entries`` (FORMAT.md)."""
     lines = sorted((tuple(tuple(map(int, ab)) for ab in b), h) for b, h in entries)
     hasher = xxhash.xxh3_128()
     for bounds, h in lines:
@@ -125,9 +119,8 @@ def leaf_digest(entries: Iterable[Entry]) -> str:
 def exchange(
     op: str | None, mine: dict[int, list[Entry]] | None, region: _distributed.Region
 ) -> dict[int, list[Entry]] | None:
-    """Every process's entries, merged per leaf index (``mine`` as is with one process);
-    None when any process could not hash (or ``op`` is None). Background thread, same
-    call order on every process, in ``region``; :func:`release` deletes the value."""
+    """Every process's entries, merged per leaf index; None when any could not hash.
+    Background thread, same call order on every process, in ``region``."""
     if _distributed.process_count() == 1:
         return mine
     if op is None:
@@ -184,8 +177,7 @@ def previous_document(reuse: Reuse) -> tuple[Location, CheckpointDocument] | Non
 
 
 def plan_reuse(records: dict[int, LeafRecord], previous: CheckpointDocument) -> dict[int, int]:
-    """``{leaf index: previous index}`` of uncompressed array leaves (compressed chunks have
-    no fixed size to check) matching in every field of their bytes."""
+    """``{leaf index: previous index}`` of uncompressed array leaves matching in every field."""
     by_path = {r.path: (j, r) for j, r in enumerate(previous.leaves)}
     fields = lambda r: (r.digest, r.kind, tuple(r.shape), r.dtype, r.storage, r.impl)
     out = {}
@@ -203,8 +195,7 @@ def plan_reuse(records: dict[int, LeafRecord], previous: CheckpointDocument) -> 
 
 
 def report_batched(store: Location, item: str, records: Iterable[LeafRecord]) -> None:
-    """Warns (once per store and item) which leaves of ``item`` are batched and so written
-    again at every incremental step: reuse takes only leaves stored as their own arrays."""
+    """Warns (once per store and item) which leaves of ``item`` are batched: never reused."""
     batched = [r for r in records if isinstance(r.storage, BatchStorage)]
     if not batched:
         return
@@ -251,9 +242,8 @@ def chunks_of(record: LeafRecord, regions: Iterable[Bounds]) -> list[tuple[str, 
 
 
 def unchanged(leaves: list, fmt: Any, location: Location, reuse: Reuse, region: Any):
-    """Records the digest of every array leaf (collective in ``region``: every process,
-    same order) and returns (the way to reuse, the previous item, [(leaf, previous
-    index, this process's chunks)] of the unchanged leaves), or None (nothing reused)."""
+    """Records the digest of every array leaf (collective in ``region``) and returns (the
+    way to reuse, the previous item, [(leaf, previous index, chunks)]), or None."""
     way = fmt.reuser(location)
     if way is None and _distributed.process_count() == 1:
         return None
@@ -324,8 +314,7 @@ def not_the_snapshot(shown: str, stored: int, expected: int) -> str:
 def snapshot_crcs(
     record: LeafRecord, writes: Writes, names: Iterable[tuple[str, ...]]
 ) -> dict[tuple[str, ...], int]:
-    """``{chunk name: crc32c}``: the trailer each chunk of ``names`` would get if written
-    from ``writes``; :class:`Refused` for one no region covers whole."""
+    """``{chunk name: crc32c}`` each chunk of ``names`` would get if written from ``writes``."""
     shape, chunk = tuple(record.shape), tuple(record.storage.chunk_shape)
     wanted = set(names)
     out: dict[tuple[str, ...], int] = {}
@@ -349,10 +338,9 @@ def snapshot_crcs(
 
 
 def check_linked(dfd: int, name: str, shown: str, size: int, segments: list, differs) -> None:
-    """Checks the file just linked as ``name`` in ``dfd`` (``shown``: its source; its inode
-    can no longer be swapped under our name): a regular file of ``size`` bytes in which
-    each ``(where, offset, length, crc)`` segment's trailer matches its bytes and equals
-    ``crc`` (else :class:`Refused`, ``differs(where, stored, crc)`` its words)."""
+    """Checks the file just linked as ``name`` in ``dfd`` (its inode can no longer be
+    swapped): ``size`` bytes, each ``(where, offset, length, crc)`` segment's trailer
+    matching its bytes and ``crc`` (else :class:`Refused` in ``differs``' words)."""
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
     try:
         st = os.fstat(fd)
@@ -387,8 +375,7 @@ def link_leaf(
     nbytes: int | None = None,
 ) -> int | None:
     """Hard-links ``chunks`` (None: all) of leaf ``j`` of ``source`` into leaf ``i`` of
-    ``target``, each checked against its crc32c in ``writes`` (this process's snapshot);
-    returns the bytes reused (``nbytes``, or the leaf's), or None after unlinking them."""
+    ``target``, each checked against ``writes``; the bytes reused, or None (unlinked)."""
     size = chunk_file_bytes(record)
     names = chunk_names(record) if chunks is None else chunks
     links = _Links(source, target)
@@ -434,8 +421,7 @@ class _Links:
         return self.fds[key]
 
     def link(self, src: tuple[str, ...], old: str, dst: tuple[str, ...], new: str, shown: str):
-        """Links the regular file ``src/old`` (folders under the source root) as ``dst/new``
-        (created under the target root); returns the fd of ``dst``."""
+        """Links the regular file ``src/old`` as ``dst/new``; returns the fd of ``dst``."""
         sfd = self._dir_fd(self.src_root, src, False)
         dfd = self._dir_fd(self.dst_root, dst, True)
         st = os.stat(old, dir_fd=sfd, follow_symlinks=False)
@@ -472,10 +458,8 @@ def copy_leaf(
     nbytes: int | None = None,
 ) -> int | None:
     """Copies ``chunks`` (None: all) of leaf ``j`` of ``source`` to leaf ``i`` of ``target``
-    on the server; returns the bytes reused (``nbytes``, or the leaf's), or None after
-    deleting whatever it copied. Checked first: the previous step lists exactly the
-    leaf's chunks, each of a chunk's size; then :func:`_copy_checked`. A chunk damaged
-    under its old trailer is copied as is: restore and ``verify`` say so in both steps."""
+    on the server, checked (:func:`_listed`, :func:`_copy_checked`); the bytes reused, or
+    None (deleted). A chunk damaged under its old trailer is copied as is."""
     size = chunk_file_bytes(record)
     if source.spec | {"path": ""} != target.spec | {"path": ""}:
         return None
@@ -512,8 +496,7 @@ def copy_leaf(
 
 
 def _listed(copier, src: tuple, wanted: list[str], every: set[str], size: int) -> dict:
-    """``{chunk name: listed object}`` of each chunk ``wanted``, every one listed under
-    ``src`` (key prefix, shown prefix) with a chunk's ``size``, and no chunk not in ``every``."""
+    """``{chunk name: listed object}`` of ``wanted``, each of ``size``, none outside ``every``."""
     listed = {k[len(src[0]) :]: v for k, v in copier.list(src[0]).items()}
     for name in wanted:
         info = listed.get(name)
@@ -528,9 +511,8 @@ def _listed(copier, src: tuple, wanted: list[str], every: set[str], size: int) -
 
 
 def _copy_checked(copier, src: tuple, dst: tuple, listed: dict, expected: dict, size: int) -> None:
-    """Copies each ``listed`` chunk (``src``, ``dst``: (key prefix, shown prefix)), pinned to
-    the object listed (S3 ``If-Match``, GCS generation), its source's crc32c trailer first
-    checked to be ``expected``'s; then a listing shows each copy as :func:`_same_copy` asks."""
+    """Copies each ``listed`` chunk pinned to the object listed, its trailer first checked
+    to be ``expected``'s; then a listing shows each copy as :func:`_same_copy` asks."""
 
     def check_and_copy(name: str) -> _server_copy.ObjectInfo:
         info = listed[name]
@@ -576,8 +558,7 @@ LIVE_FRACTION = 0.5  # a previous data file is taken when this share of it is re
 
 @dataclasses.dataclass(frozen=True)
 class Unchanged:
-    """An unchanged leaf this process writes: ``j`` its previous number, ``chunks`` of its
-    regions, ``writes`` its snapshot, ``nbytes`` those regions' bytes."""
+    """An unchanged leaf this process writes; ``j``: its previous number."""
 
     j: int
     record: LeafRecord
@@ -588,8 +569,7 @@ class Unchanged:
 
 @dataclasses.dataclass(frozen=True)
 class Taken:
-    """What :func:`reuse_files` took: data files (name -> size), their segments under this
-    step's keys, the leaves held whole, their bytes; ``unchanged``: every one asked about."""
+    """What :func:`reuse_files` took; ``unchanged``: every leaf asked about."""
 
     files: dict[str, int]
     chunks: dict[str, _chunks.Segment]
@@ -605,8 +585,7 @@ def reuse_files(
     process: int,
     unchanged: dict[int, Unchanged],
 ) -> Taken:
-    """Takes the previous data files of ``process`` holding mostly ``unchanged`` leaves into
-    ``target`` with ``take`` (:func:`link_file`, :func:`copy_file`); else a Taken of none."""
+    """Takes the previous data files of ``process`` holding mostly ``unchanged`` leaves."""
     none = Taken({}, {}, frozenset(), 0, frozenset(unchanged))
     try:
         previous = _packed_reader.read_index(source, process)
@@ -644,8 +623,7 @@ def reuse_files(
 def _reusable_segments(
     previous: _chunks.DataIndex, unchanged: dict[int, Unchanged]
 ) -> dict[str, tuple[int, _chunks.Segment]]:
-    """``{new key: (leaf, previous segment)}`` of the leaves whose every chunk the index
-    lists with a chunk's size and the snapshot's crc32c."""
+    """``{new key: (leaf, previous segment)}`` of the leaves whose every chunk matches."""
     out: dict[str, tuple[int, _chunks.Segment]] = {}
     for i, leaf in unchanged.items():
         size = chunk_file_bytes(leaf.record)
@@ -684,8 +662,7 @@ def _whole(segments, files: list[str], unchanged: dict[int, Unchanged]) -> set[i
 
 
 def _files_to_take(previous: _chunks.DataIndex, segments, unchanged) -> list[str]:
-    """The previous data files at least LIVE_FRACTION live (leaves held whole), to a fixed
-    point (dropping a file may drop a leaf it shares)."""
+    """The previous data files at least LIVE_FRACTION live, to a fixed point."""
     files = list(previous.files)
     while True:
         whole = _whole(segments, files, unchanged)
@@ -707,8 +684,7 @@ def link_file(
     size: int,
     live: list[_chunks.Segment],
 ) -> None:
-    """Hard-links ``data/<old>`` of ``source`` as ``data/<new>`` of ``target`` (no link
-    followed), checked (size, each ``live`` segment's crc32c); raises after unlinking it."""
+    """Hard-links ``data/<old>`` of ``source`` as ``data/<new>`` of ``target``, checked."""
     os.makedirs(target.path, exist_ok=True)  # another process may not have yet
     links, shown = _Links(source, target), f"{source}/data/{old}"
     try:

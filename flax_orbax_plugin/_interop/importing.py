@@ -1,9 +1,6 @@
-"""Importing a foreign checkpoint's trees as steps of a ``CheckpointManager`` directory.
-
-An importer's front checks its options and paths, reads a step, decides its number
-(:func:`choose_step`) and maps it with :func:`step_items` (pure functions, called per
-step before anything is written), and hands the steps to ``save_steps`` (the public
-``CheckpointManager.save``). Safe from any thread.
+"""Importing a foreign checkpoint's trees as steps of a ``CheckpointManager`` directory:
+each importer checks its options and paths, reads a step, decides its number and items,
+and hands the steps to ``save_steps`` (the public ``CheckpointManager.save``). Any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._interop.importing``.
 """
@@ -59,8 +56,6 @@ from .safetensors.reader import from_safetensors
 
 __all__ = ["import_checkpoint", "import_msgpack", "import_orbax"]
 
-# -- which step an imported state is written as ---------------------------------
-
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -74,9 +69,8 @@ def state_step(tree: Any, path: str) -> int | None:
 
 
 def choose_step(path: str, *, given: int | None, named: int | None, stored: int | None) -> int:
-    """The step the state read from ``path`` is imported as: ``given`` (it must equal
-    the state's own, ``stored``), else ``stored`` (a differing ``named`` is warned
-    of), else the number its name gives (``named``), else a StructureError."""
+    """``given`` (it must equal ``stored``, the state's own), else ``stored`` (a differing
+    ``named`` is warned of), else ``named`` (its name's), else a StructureError."""
     if given is not None:
         if stored is not None and stored != given:
             raise StructureError(
@@ -104,9 +98,8 @@ def choose_step(path: str, *, given: int | None, named: int | None, stored: int 
 
 
 def orbax_steps_to_import(src: Any, step: int | None) -> list[tuple[int, Location]]:
-    """``[(step number, step directory)]`` importing ``src`` writes: every committed
-    step of an Orbax run (or only ``step``), or a lone step or item as ``step`` (default:
-    its own number, else 0)."""
+    """``[(step number, step directory)]`` of an Orbax run (or only ``step``), or of a lone
+    step or item (``step``, else its own number, else 0)."""
     loc = Location.from_path(src)
     if is_step(loc):
         own, _ = open_orbax(loc)
@@ -128,8 +121,7 @@ def orbax_steps_to_import(src: Any, step: int | None) -> list[tuple[int, Locatio
 
 
 def refuse_mixing(out_dir: Any, held: list[int], planned: list[int], force: bool) -> None:
-    """Unless ``force``: refuses a planned step that exists and steps newer than every
-    planned one (a resume would take those); warns of older steps beside the import."""
+    """Unless ``force``: refuses a planned step that exists and newer steps; warns of others."""
     if force or not held:
         return
     refuse_existing(out_dir, held, planned, force)
@@ -157,9 +149,6 @@ def refuse_existing(out_dir: Any, held: list[int], numbers: list[int], force: bo
         )
 
 
-# -- which items an imported state becomes ------------------------------------------
-
-
 ImportedStep = tuple[dict[str, Any], dict[str, Any] | None]  # (items, extras)
 
 
@@ -174,20 +163,15 @@ def _to_step_int(value: Any, source: str) -> int:
 
 
 def _split(tree: Any) -> dict[str, Any]:
-    """A training-state dict (it has 'params') gives one item per top-level key (empty
-    ones too, as this library's save keeps them); any other tree is ``params``."""
+    """A training-state dict (it has 'params') gives one item per key; another is ``params``."""
     if isinstance(tree, Mapping) and "params" in tree:
         return {str(key): value for key, value in tree.items()}
     return {"params": tree}
 
 
 def step_items(trees: Mapping[str, Any], kinds: Mapping[str, str], *, source: str) -> ImportedStep:
-    """Maps a foreign step's items onto this plugin's checkpointables: a pytree item
-    holding a training state (:func:`_split`) gives its keys as items, another is kept
-    by name (a lone one is ``params``); JSON items go into ``extras`` by name, but the
-    entries of Orbax's ``metrics`` item become top-level extras (``keep_best`` reads
-    them there). Returns ``(items, extras)``: the caller decides the step.
-    """
+    """``(items, extras)`` of a foreign step's items: a training state's keys are items,
+    another pytree is kept by name; JSON items (and ``metrics``' entries) are extras."""
     pytrees = {n: t for n, t in trees.items() if kinds[n] == "pytree" and t is not None}
     extras = {n: t for n, t in trees.items() if kinds[n] == "json" and n != "metrics"}
     metrics = trees.get("metrics") if kinds.get("metrics") == "json" else None
@@ -241,9 +225,6 @@ def _refuse_reserved(items: Mapping[str, Any], origin: Mapping[str, str], source
             )
 
 
-# -- the importers --------------------------------------------------------------------
-
-
 _NOT_ORBAX = (
     "it holds no Orbax checkpoint, and Flax msgpack and safetensors files are read from "
     "local disk only"
@@ -251,8 +232,7 @@ _NOT_ORBAX = (
 
 
 def refuse_foreign_targets(out_dir: Any, numbers: Iterable[int]) -> None:
-    """ForeignEntryError when ``out_dir`` holds an entry named like one of ``numbers``
-    that is not a committed step of ours (it would be replaced). Reads the listing only."""
+    """ForeignEntryError for an entry of ``out_dir`` named like one of ``numbers``, not ours."""
     loc = Location.from_path(out_dir)
     if loc.is_local and not os.path.isdir(loc.path):
         return  # nothing there yet (or the manager will refuse what is there)
@@ -267,8 +247,7 @@ def refuse_foreign_targets(out_dir: Any, numbers: Iterable[int]) -> None:
 
 
 def refuse_inside_checkpoint(out_dir: Any) -> None:
-    """UnsupportedLocationError when ``out_dir`` is or lies inside a committed checkpoint
-    or a run directory: a committed checkpoint never changes."""
+    """UnsupportedLocationError when ``out_dir`` is or lies inside a checkpoint or run."""
     loc = Location.from_path(out_dir)
     if loc.is_local:  # a link on the way is resolved: the checkpoint it leads into counts
         loc = Location.from_path(os.path.realpath(loc.path))
@@ -280,22 +259,6 @@ def refuse_inside_checkpoint(out_dir: Any) -> None:
         )
 
 
-def refuse_inside_source(src: Any, out_dir: Any) -> None:
-    """UnsupportedLocationError when ``out_dir`` lies inside ``src`` (links resolved)."""
-    s, o = Location.from_path(src), Location.from_path(out_dir)
-    if s.is_local and o.is_local:
-        a, b = os.path.realpath(s.path), os.path.realpath(o.path)
-        inside = a != b and os.path.commonpath([a, b]) == a
-    else:
-        where = lambda loc: (loc.spec.get("driver"), loc.spec.get("bucket"))
-        inside = where(s) == where(o) and o.path.startswith(s.path.rstrip("/") + "/")
-    if inside:
-        raise UnsupportedLocationError(
-            f"import output {out_dir}: lies inside the source {src}; an import never "
-            f"writes into what it reads: import into a directory outside it"
-        )
-
-
 def save_steps(
     out_dir: Any,
     steps: Iterable[tuple[int, ImportedStep]],
@@ -304,17 +267,8 @@ def save_steps(
     options: Mapping[str, Any],
     source_bytes: Sequence[int],
 ) -> list[int]:
-    """Saves each ``(step, (items, extras))`` of ``steps`` (consumed lazily: one
-    step's trees in memory at a time) as a committed step of ``out_dir``; returns the
-    steps written, in order.
-
-    ``options``: the importer's, checked. An existing step is an error unless ``force``
-    (replaced); an entry named like a ``planned`` step that is not ours always is,
-    checked before anything is written and again before each step. ``progress``
-    (called once with ``sum(source_bytes)``) advances by each step's entry as it
-    commits. ``memory_limit_bytes``: half for the step read (:func:`refuse_over`), half
-    for its save, which streams (the manager's ``host_memory``).
-    """
+    """Saves each ``(step, (items, extras))`` of ``steps`` (one step's trees in memory at a
+    time) as a committed step of ``out_dir``; returns the steps written."""
     refuse_inside_checkpoint(out_dir)
     refuse_foreign_targets(out_dir, planned)
     loc = Location.from_path(out_dir)
@@ -368,9 +322,8 @@ def _write_steps(out_dir, steps, planned, options, sizes: list[int], written: li
 
 
 def refuse_over(source: Any, nbytes: int, limit: int | None, what: str) -> None:
-    """OptionError when ``source``'s ``what`` (e.g. "its files hold") ``nbytes``, above
-    half the ceiling ``limit``: an import holds a step in one half, and its save
-    streams under the other (:func:`save_steps`)."""
+    """OptionError when ``nbytes`` of ``source`` pass half the ceiling ``limit``: an import
+    holds a step in one half, and its save streams under the other."""
     if limit is not None and nbytes > limit // 2:
         raise OptionError(
             f"memory_limit_bytes={limit}: {source}: {what} {nbytes} bytes, above the half "
@@ -429,17 +382,25 @@ def import_checkpoint(
 
 
 def _check(src: Any, out_dir: Any, options: dict[str, Any]) -> None:
-    """An importer's front, before it reads: ``options`` checked, ``out_dir`` not in ``src``."""
+    """An importer's front, before it reads: ``options`` checked; UnsupportedLocationError
+    when ``out_dir`` lies inside ``src`` (links resolved)."""
     check(_options.IMPORT, options)
-    refuse_inside_source(src, out_dir)
+    s, o = Location.from_path(src), Location.from_path(out_dir)
+    if s.is_local and o.is_local:
+        a, b = os.path.realpath(s.path), os.path.realpath(o.path)
+        inside = a != b and os.path.commonpath([a, b]) == a
+    else:
+        where = lambda loc: (loc.spec.get("driver"), loc.spec.get("bucket"))
+        inside = where(s) == where(o) and o.path.startswith(s.path.rstrip("/") + "/")
+    if inside:
+        raise UnsupportedLocationError(
+            f"import output {out_dir}: lies inside the source {src}; an import never "
+            f"writes into what it reads: import into a directory outside it"
+        )
 
 
 def _import_safetensors(src: Any, out_dir: Any, options: dict[str, Any], source: Any) -> list[int]:
-    """Writes safetensors ``source`` (a file, an index, or the shards of ``src``) as
-    item ``params`` of step ``options["step"]`` (needed: the files name none) of
-    ``out_dir``; tensor names become leaf paths as ``headers.tree_of_names`` says.
-    Returns ``[step]``. Tensors above half of ``memory_limit_bytes`` are refused
-    before anything is read."""
+    """Writes safetensors ``source`` as item ``params`` of step ``options["step"]``."""
     _check(src, out_dir, options)
     number = choose_step(str(src), given=options["step"], named=None, stored=None)
     limit = options["memory_limit_bytes"]

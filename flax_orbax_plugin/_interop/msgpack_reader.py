@@ -1,7 +1,5 @@
-"""Reading Flax msgpack checkpoints (``flax.serialization`` / ``flax.training.checkpoints``).
-
-Data only: nothing in the file is imported or called; every claimed length is checked
-before anything is allocated.
+"""Reading Flax msgpack checkpoints as data only: nothing in the file is imported or
+called; every claimed length is checked before anything is allocated. Any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._interop.msgpack_reader``.
 """
@@ -214,8 +212,8 @@ def restore_msgpack(
 
 
 def files_to_import(src: Any, step: int | None) -> list[tuple[int | None, str]]:
-    """``[(the step its name gives or None, file)]`` importing ``src`` reads: one
-    msgpack file, or every ``<prefix><step>`` file of a directory (or only ``step``)."""
+    """``[(the step its name gives or None, file)]`` of one msgpack file, or of every
+    ``<prefix><step>`` file of a directory (or only ``step``)."""
     src = local_path(src, what="msgpack source")
     try:
         mode = os.stat(src).st_mode  # the path the user named: a link to it is their choice

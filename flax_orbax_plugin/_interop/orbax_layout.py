@@ -1,8 +1,6 @@
-"""The layout of an Orbax checkpoint, read as data: manager, step and item directories.
-
-:func:`open_orbax` resolves any of them into :class:`OrbaxItem`s, every metadata field
-checked (a :class:`CorruptCheckpointError` names the file and field); nothing below
-the named path is followed. Arrays: :mod:`.orbax_reader`; rules: ``docs/orbax.md``.
+"""The layout of an Orbax checkpoint, read as data: :func:`open_orbax` resolves a manager,
+step or item directory into :class:`OrbaxItem`s, every metadata field checked; nothing
+below the named path is followed. Any thread. Rules: ``docs/orbax.md``.
 """
 
 from __future__ import annotations
@@ -137,8 +135,7 @@ _KEY_HANDLERS = {  # a random key: an array item in a folder, beside a JSON flag
 
 
 def _item(loc: Location, name: str, handler: str | None = None) -> OrbaxItem:
-    """The item at ``loc``, read as its ``handler`` (from the step's record) wrote it;
-    without one, as its files say (``_METADATA``: a pytree; else one JSON file)."""
+    """The item at ``loc``, read as its ``handler`` wrote it, else as its files say."""
     loc.check_no_links()  # local: no symlink, FIFO or device anywhere in the item
     short = handler.rsplit(".", 1)[-1] if isinstance(handler, str) else None
     if short in _KEY_HANDLERS:
@@ -183,8 +180,7 @@ def _only_file(loc: Location, what: str) -> str:
 
 
 def _key_item(loc: Location, name: str, folder: str) -> OrbaxItem:
-    """A random key item: its array (or numpy's state) in ``folder``; numpy's ``legacy``
-    flag (a ``get_state()`` tuple) in ``<folder>_metadata``."""
+    """A random key item: its array (or numpy's state) in ``folder``, flags beside it."""
     inner = subdir(loc, folder, "item")
     if inner is None:
         raise CorruptCheckpointError(f"{loc}: a random key item without its {folder}/ folder")
@@ -293,8 +289,7 @@ def _check_tree_shape(leaves: list[OrbaxLeaf], where: str) -> None:
 
 
 def open_orbax(path: Any, *, step: int | None = None) -> tuple[int | None, dict[str, OrbaxItem]]:
-    """``(step or None, {item name: item})`` of a manager directory (its latest step, or
-    ``step``), a step directory or one item directory (named after the directory)."""
+    """``(step or None, {item name: item})`` of a manager (latest or ``step``), step or item."""
     loc = Location.from_path(path)
     listing = None if is_step(loc) else list_steps(loc)
     if listing is not None and (listing.steps or not legacy_step(loc)):

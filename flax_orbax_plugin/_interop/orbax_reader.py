@@ -1,8 +1,5 @@
-"""Reading Orbax checkpoints without importing orbax: leaves, trees, params, steps.
-
-Each array is opened with tensorstore by its parameter name; its claimed size is
-checked before anything is allocated. Nothing here unpickles. Entry points:
-:func:`restore_orbax`, :func:`restore_orbax_params` (serving), :func:`read_step`.
+"""Reading Orbax checkpoints without importing orbax: leaves, trees, params, steps. Each
+claimed size is checked before anything is allocated; nothing here unpickles. Any thread.
 """
 
 from __future__ import annotations
@@ -208,9 +205,8 @@ def _restore_tree(
 def check_like_paths(
     flat: list, stored: Collection[str], data: list[str], source: str, *, partial: bool
 ) -> None:
-    """StructureError naming a leaf of ``like`` (``flat``: its flattening) that
-    ``source`` lacks (``stored``: its leaf paths), or, without ``partial``, one of
-    ``data`` (its leaves holding a value) that ``like`` lacks. For every foreign reader."""
+    """StructureError naming a leaf of ``like`` (``flat``) that ``stored`` lacks, or,
+    without ``partial``, one of ``data`` that ``like`` lacks. Every foreign reader's."""
     wanted = {p for p, _, _ in flat}
     missing = sorted(wanted - set(stored))
     if missing:
@@ -228,8 +224,7 @@ def check_like_paths(
 
 
 def lone_item(loc: Location, items: dict[str, OrbaxItem]) -> OrbaxItem | None:
-    """The one item ``loc`` is itself (an item directory, or a run's step that is one
-    item), of ``open_orbax(loc)``'s items; None for a step of items (even of one)."""
+    """The one item ``loc`` is itself, of ``open_orbax(loc)``'s; None for a step of items."""
     if len(items) != 1:
         return None
     (item,) = items.values()
@@ -296,12 +291,8 @@ def restore_orbax(
     return {k: restore_item(items[k], v, partial, allow_cast) for k, v in like.items()}
 
 
-# -- params for serving ----------------------------------------------------------------
-
-
 def _params_source(items: dict[str, OrbaxItem]) -> tuple[OrbaxItem, tuple[str, ...]]:
-    """The item holding params and their key prefix in it. A missing item is never
-    passed over for another (that would serve the optimizer state)."""
+    """The item holding params and their key prefix in it (never one past a missing item)."""
     params = items.get("params")
     if params is not None and params.kind == "missing":
         raise CorruptCheckpointError(
@@ -354,9 +345,8 @@ def restore_orbax_params(
     partial: bool = False,
     cast: str = "safe",
 ) -> Any:
-    """The params of an Orbax checkpoint, reading nothing else: the ``params`` item,
-    else the ``params`` subtree of a pytree item, else the only pytree item. The
-    options are ``fop.restore_params``'s."""
+    """The params of an Orbax checkpoint, reading nothing else (``fop.restore_params``'
+    options): the ``params`` item, else a ``params`` subtree, else the only pytree."""
     _, items = open_orbax(path, step=step)
     item, prefix = _params_source(items)
     if prefix:
@@ -386,8 +376,7 @@ def _abstract(reader: ItemReader, leaf: OrbaxLeaf) -> Any:
 
 
 def read_step(step_loc: Location) -> tuple[dict[str, Any], dict[str, str]]:
-    """``({item: tree or JSON value}, {item: kind})`` of one Orbax step read to host,
-    its ``custom_metadata`` as one more JSON item."""
+    """``({item: tree or JSON value}, {item: kind})`` of one Orbax step, read to host."""
     _, items = open_orbax(step_loc)
     trees = {name: restore_item(item, None, False, False) for name, item in items.items()}
     kinds = {name: "pytree" if item.kind == "pytree" else "json" for name, item in items.items()}

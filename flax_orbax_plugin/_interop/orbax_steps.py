@@ -38,8 +38,7 @@ class OrbaxSteps:
         return out
 
     def choose(self, step: int | None) -> int:
-        """``step`` (None: the latest, warning of newer entries passed over), or a
-        CheckpointNotFoundError naming what was found."""
+        """``step`` (None: the latest), or a CheckpointNotFoundError naming what was found."""
         if not self.steps:
             passed = self.skipped_above(None)
             raise CheckpointNotFoundError(
@@ -76,9 +75,8 @@ def _number(name: str) -> int | None:
 
 
 def list_steps(loc: Location) -> OrbaxSteps:
-    """Lists ``loc`` as Orbax would. CorruptCheckpointError when two finalized
-    directories name one step (``5``, ``0005``) or two naming schemes are used: which
-    Orbax would read is not recorded, so nothing is guessed."""
+    """Lists ``loc`` as Orbax would; CorruptCheckpointError where two directories name one
+    step or two naming schemes are used (nothing is guessed)."""
     found: dict[int, tuple[str, Location]] = {}
     prefixes: dict[str, str] = {}
     skipped = []
@@ -115,8 +113,7 @@ def list_steps(loc: Location) -> OrbaxSteps:
 
 def agreed_latest(loc: Location, *, region: _distributed.Region) -> int | None:
     """Collective (every process, in the read's ``region``): the primary's latest
-    finalized step, so no two processes read different steps; None when the primary
-    found none (every process then lists the run and raises the same error)."""
+    finalized step, so no two processes read different steps; None if it found none."""
     op = region.next_operation_id("orbax-latest-step")
     latest = ""
     if _distributed.is_primary():

@@ -1,11 +1,6 @@
-"""zarr3 arrays through tensorstore: the on-disk form of array data, and format version 2's
-compressed segments (byte for byte version 1's chunk files) encoded and decoded by
-tensorstore over a private ``memory`` kvstore (a fresh context each: this library has no
-zstd of its own; one :class:`Decoder` per read). Any thread.
-
-Every chunk carries a crc32c checksum (zarr3 ``crc32c`` codec) that tensorstore
-verifies on read; missing chunks are an error, not zeros. Chunks divide the
-shard shape, so no two writers ever touch one chunk.
+"""zarr3 arrays through tensorstore: the on-disk form of array data (every chunk with a
+crc32c; chunks divide the shard shape, so no two writers touch one), and format version
+2's compressed segments coded over a private ``memory`` kvstore. Any thread.
 """
 
 from __future__ import annotations
@@ -46,9 +41,7 @@ def chunk_shape(
     must_divide: bool,
     target: int | None = None,
 ) -> list[int]:
-    """A chunk of at most ~``target`` bytes, splitting leading axes first (a contiguous
-    slab where possible). With ``must_divide`` (several writers) it divides
-    ``shard_shape``; a shard axis without a usable divisor is kept whole."""
+    """A chunk of at most ~``target`` bytes (``must_divide``: dividing ``shard_shape``)."""
     target = target or CHUNK_TARGET_BYTES
     chunk = [max(1, s) for s in shard_shape]
     for axis in range(len(chunk)):
@@ -141,13 +134,10 @@ def open_for_write(array_spec: dict[str, Any]) -> ts.TensorStore:
 
 
 def open_for_read(array_spec: dict[str, Any]) -> ts.Future:
-    """Starts opening (a future: a restore opens every array at once), checking the stored
-    ``zarr.json`` agrees with ``array_spec``; a missing chunk raises, never reads zeros."""
+    """Starts opening, checking ``zarr.json`` against ``array_spec``; a missing chunk raises."""
     array_spec = dict(array_spec, fill_missing_data_reads=False)
     return ts.open(array_spec, open=True, context=_context_for(array_spec))
 
-
-# -- tensorstore's errors: damage or environment -------------------------------------
 
 # Statuses that prove the stored bytes are wrong or absent: a checksum (DATA_LOSS), a
 # size or a zarr.json that disagrees (FAILED_PRECONDITION), bytes that do not decode
@@ -168,10 +158,8 @@ _STATUS_ERRNO = {
 
 
 def environmental(error: BaseException) -> OSError | None:
-    """The :class:`OSError` that ``error`` (raised by tensorstore) stands for when it is the
-    environment's fault (any status that proves nothing about the bytes), with the errno
-    tensorstore reports, else one standing for the status (:data:`_STATUS_ERRNO`, EIO);
-    None when it proves damage (``_DAMAGE``) or is not a tensorstore status."""
+    """The :class:`OSError` a tensorstore ``error`` stands for when it is the environment's
+    fault (proving nothing about the bytes); None when it proves damage or is no status."""
     if isinstance(error, OSError):
         return error
     if not isinstance(error, ValueError):
@@ -191,9 +179,6 @@ def environmental(error: BaseException) -> OSError | None:
     return OSError(os_errno or _STATUS_ERRNO.get(status.group(1), errno.EIO), shown)
 
 
-# -- the arrays of a checkpoint's records ------------------------------------------------
-
-
 def leaf_spec(root: Location, index: int, record: LeafRecord) -> dict[str, Any]:
     """The spec of leaf number ``index``'s own array under ``root`` (packed: its bytes)."""
     record = _subbyte.stored(record)
@@ -211,22 +196,18 @@ def batch_spec(root: Location, batch: BatchRecord) -> dict[str, Any]:
     )
 
 
-# -- format version 2's compressed segments --------------------------------------------
-
 MEMORY = Location.from_path("memory://")  # the root the specs below are built under
 _ZARR_JSON = b"zarr.json"
 
 
 def max_segment_bytes(raw_bytes: int, inner_chunks: int = 1) -> int:
-    """The most bytes a compressed segment of ``raw_bytes`` decoded bytes in
-    ``inner_chunks`` checksummed chunks may hold: a data index listing more is damage."""
+    """The most bytes a compressed segment of ``raw_bytes`` decoded bytes may hold."""
     frames = raw_bytes + raw_bytes // 128 + inner_chunks * (1024 + _chunks.CRC_BYTES)
     return frames + 16 * inner_chunks + _chunks.CRC_BYTES
 
 
 def encode(spec: dict[str, Any], writes: list[tuple[Any, np.ndarray]]) -> list[tuple[str, Any]]:
-    """``[(key inside the array, stored bytes)]`` of every chunk of ``writes`` (regions of
-    whole chunks, values) encoded with ``spec`` (under :data:`MEMORY`), sorted by key."""
+    """``[(key inside the array, stored bytes)]`` of every chunk of ``writes``, sorted."""
     context = ts.Context()
     spec = dict(spec, store_data_equal_to_fill_value=True)
     store = ts.open(spec, create=True, open=True, context=context).result()

@@ -43,8 +43,7 @@ def crc_matches(parts: list[np.ndarray], trailer: np.ndarray) -> bool:
 
 
 class Jobs:
-    """This reader's jobs on the process's shared pool of ``threads`` reader threads (started
-    once: 8 new threads cost 0.1 s of a 0.5 s restore of 6,000 small leaves)."""
+    """This reader's jobs on the process's shared pool of reader threads (started once)."""
 
     def __init__(self, threads: int):
         self._pool = _shared_pool(threads)
@@ -93,9 +92,7 @@ PREFETCH_BYTES = 256 << 20  # read ahead: about a disk's reading while large met
 
 
 def prefetch_batches(root: str, threads: int) -> concurrent.futures.Future | None:
-    """Asks the kernel (``POSIX_FADV_WILLNEED``, on a reader thread) to start reading the
-    first :data:`PREFETCH_BYTES` of the batch files under ``root/b``; None where there is no
-    such hint. Regular files only, never through a link; failures are the reads' to say."""
+    """Asks the kernel to start reading the batch files under ``root/b`` (None: no hint)."""
     if not hasattr(os, "posix_fadvise"):
         return None
     return _shared_pool(threads).submit(_advise_batches, os.path.join(root, "b"))
@@ -137,16 +134,13 @@ def usable(location: Any) -> bool:
     )
 
 
-# -- what the files of an array must hold (checked before anything is allocated) ------
-
 # A zstd frame decodes to at most ~26,000x its size (every 128 KiB block needs at
 # least ~5 bytes); a bound above that, for claims about compressed chunk files.
 MAX_COMPRESSION_RATIO = 1 << 16
 
 
 def array_claim(shape, chunk, itemsize: int, *, compressed: bool) -> tuple[int, int]:
-    """(chunk files, bytes) an array of ``shape`` in ``chunk``-shaped chunks needs on disk
-    (compressed: a lower bound), in Python ints: nothing is allocated."""
+    """(chunk files, bytes) an array needs on disk (compressed: a lower bound)."""
     cells = math.prod(-(-int(n) // int(c)) for n, c in zip(shape, chunk, strict=True))
     chunk_bytes = math.prod(int(c) for c in chunk) * itemsize
     if compressed:
@@ -157,8 +151,7 @@ def array_claim(shape, chunk, itemsize: int, *, compressed: bool) -> tuple[int, 
 def batch_claim(
     size: int, chunk: int, inner: int, itemsize: int, *, compressed: bool
 ) -> tuple[int, int]:
-    """(files, bytes) that a batch array (``size`` elements, files of ``chunk`` elements in
-    ``inner``-element chunks) needs on disk; compressed, a lower bound."""
+    """(files, bytes) a batch array needs on disk (compressed: a lower bound)."""
     files = -(-size // chunk)
     index = files * (16 * (chunk // inner) + _chunks.CRC_BYTES)  # one checksummed index per file
     if compressed:
@@ -183,9 +176,8 @@ BATCH_THREADS = 4  # threads of ranged batch reads (read_batch_range)
 
 class ChunkReader:
     """Reads uncompressed arrays and batches from local chunk files straight into fresh
-    aligned host buffers, one ``preadv`` per file, each a regular file of the chunk's size
-    plus a matching crc32c (else ValueError naming the chunk). Called from the restore's
-    thread; the reads run on the reader's threads; :meth:`close` waits for them."""
+    aligned host buffers, each chunk checked (else ValueError naming it). Called from the
+    restore's thread; the reads run on the reader's threads; :meth:`close` waits for them."""
 
     packed = False  # format version 2's reader (a subclass) reads every array and batch
 
@@ -217,8 +209,7 @@ class ChunkReader:
         region: tuple[slice, ...] | None = None,
     ) -> PendingRead | None:
         """Starts reading ``region`` (global; None: all) of array ``sub``; None when the
-        region is not whole chunks. A chunk contiguous in the result is read straight
-        into place, any other into scratch, checked, then copied."""
+        region is not whole chunks."""
         check_name(sub)  # never a path outside the checkpoint
         whole = _chunks.whole_chunks(shape, chunk, region or tuple(slice(None) for _ in shape))
         if whole is None:
@@ -239,8 +230,7 @@ class ChunkReader:
     def read_batch(
         self, sub: str, size: int, chunk: int, inner: int, dtype, files: range | None = None
     ) -> PendingRead:
-        """Starts reading all of batch array ``sub`` (as :func:`batch_claim` describes it), or
-        only the elements of its ``files`` (consecutive file numbers)."""
+        """Starts reading all of batch array ``sub``, or only the elements of its ``files``."""
         check_name(sub)  # never a path outside the checkpoint
         files = range(-(-size // chunk)) if files is None else files
         first = files.start * chunk if files else 0
@@ -258,9 +248,7 @@ class ChunkReader:
         self, sub: str, size: int, chunk: int, inner: int, dtype, start: int, stop: int
     ) -> PendingRead:
         """Starts reading elements ``[start, stop)`` of batch array ``sub``, rounded out to
-        whole inner chunks: one job per file reading only those and the file's index. The
-        result's ``first`` is the element its ``out`` starts at, ``files`` the file numbers
-        of its ``futures``, ``ends`` the element each file's part ends at."""
+        whole inner chunks (the result's ``first``: where its ``out`` starts)."""
         check_name(sub)  # never a path outside the checkpoint
         if self._ranged is None or not 0 <= start < stop <= size:
             raise ValueError(f"batch {sub}: no ranged read of [{start}, {stop}) here")
@@ -282,8 +270,7 @@ class ChunkReader:
 
 
 class PendingRead:
-    """One array being read by a :class:`ChunkReader`; :meth:`result` is its values.
-    ``deferred``: its jobs start only once it is waited for (``packed_reader``)."""
+    """One array being read; ``deferred``: its jobs start only once it is waited for."""
 
     deferred = False
 
@@ -318,8 +305,7 @@ def bytes_read() -> int:
 
 
 def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int, *, fill=None, where=None) -> None:
-    """Reads one chunk file: its first ``dest.size`` bytes into ``dest``, the zero
-    padding of a chunk cut by the array's end into scratch, then checks its crc32c."""
+    """Reads one chunk file into ``dest`` (its padding into scratch), then checks its crc32c."""
     name = file_name(path)
     parts = [dest]
     if chunk_bytes > dest.size:
@@ -333,9 +319,8 @@ def _read_chunk(path: str, dest: np.ndarray, chunk_bytes: int, *, fill=None, whe
 def _read_chunk_copy(
     path: str, dest: np.ndarray, chunk: tuple, scratch: dict, src=None, *, fill=None, where=None
 ) -> None:
-    """Reads one chunk file whole into this thread's scratch (in ``scratch`` by ident, kept:
-    fresh memory costs its first touch, 0.6 s per GB), checks it, then copies its part
-    ``src`` (None: from its start) into ``dest``."""
+    """Reads one chunk file whole into this thread's scratch (kept: fresh memory costs its
+    first touch), checks it, then copies its part ``src`` into ``dest``."""
     nbytes = int(np.prod(chunk, dtype=np.int64)) * dest.dtype.itemsize
     me = threading.get_ident()
     buffer = scratch.get(me)
@@ -361,10 +346,8 @@ def _read_shard(
     ranged=None,
     where=None,
 ) -> None:
-    """Reads one batch file (a zarr3 shard, sizes in bytes) into ``flat`` (the batch's bytes
-    from byte ``base`` on), then checks its index (inner chunks in order, none missing)
-    and every checksum. With ``inners`` (j0, j1): only inner chunks j0..j1-1 and the
-    index, through ``ranged`` (a packed reader's) or from the file at ``path``."""
+    """Reads one batch file (a zarr3 shard) into ``flat`` from byte ``base`` on, then checks
+    its index and every checksum. With ``inners`` (j0, j1): only those inner chunks."""
     name, label = file_name(path), stored_name(path, where, "batch file")
     count = chunk // inner
     present = -(-min(size - s * chunk, chunk) // inner)
@@ -407,8 +390,7 @@ def _read_file(path: str, name: str, parts: list[np.ndarray]) -> None:
 
 
 def _read_ranges(path: str, name: str, expected: int, ranges: list) -> None:
-    """Fills each ``(offset, parts)`` of ``ranges`` from the regular file (never a link) at
-    ``path`` of exactly ``expected`` bytes; several ranges are read without readahead."""
+    """Fills each ``(offset, parts)`` of ``ranges`` from the regular file at ``path``."""
     _env.fail_point("read_chunk")
     try:
         # O_NONBLOCK: a FIFO in the checkpoint's place never blocks (refused below)

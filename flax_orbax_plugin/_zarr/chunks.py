@@ -1,10 +1,6 @@
 """One zarr3 chunk on disk (name, bytes, crc32c trailer, its grid), regions of whole
-chunks within a budget (``verify`` reads one at a time), the crc32c of a region's
-chunks (at once, or while copying it: the optional C kernel ``_copycrc``), whether a leaf
-is stored packed (how: ``_zarr/subbyte.py``), and format version 2's data index.
-
-Pure functions and immutable records: any thread (the copies and the crc32c release the
-GIL on large buffers).
+chunks within a budget, the crc32c of a region's chunks, and format version 2's data
+index. Pure functions and immutable records: any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._zarr.chunks``.
 """
@@ -51,9 +47,8 @@ def chunk_key(cell) -> str:
 
 
 def whole_chunks(shape, chunk, index):
-    """For the global region ``index`` of an array of ``shape``: (its shape, [(chunk grid
-    cell, its part of the region), ...]); None when it is empty or not whole chunks (one
-    cut by the array's end counts as whole)."""
+    """(region shape, [(chunk grid cell, its part of the region), ...]) of the global
+    region ``index``; None when it is empty or not whole chunks."""
     if not shape:
         return None
     starts, stops = [], []
@@ -74,8 +69,7 @@ def whole_chunks(shape, chunk, index):
 
 
 def covering(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, budget: int):
-    """Regions (tuples of slices; None: all) of whole chunks covering an array, each at most
-    ``budget`` bytes unless one chunk is larger: slabs along the first axis that fits."""
+    """Regions of whole chunks covering an array, each at most ``budget`` bytes if it can."""
     if not shape or math.prod(shape) * itemsize <= budget:
         yield None
         return
@@ -167,9 +161,8 @@ def extend_crc(crc: int, data) -> int:
 def chunk_crcs(
     shape: tuple[int, ...], chunk: tuple[int, ...], index: tuple[slice, ...], data: np.ndarray
 ) -> dict[tuple[int, ...], int] | None:
-    """``{chunk grid cell: crc32c}``: the trailer each chunk of the region ``index`` (global)
-    of an array of ``shape`` holding ``data`` stores (little endian, edge chunks padded);
-    None when it is not whole chunks. A 0-d array is one chunk, cell ``()``."""
+    """``{chunk grid cell: crc32c}``: the trailer each chunk of the global region ``index``
+    holding ``data`` stores; None when it is not whole chunks."""
     if data.dtype.byteorder == ">":  # the stored encoding is little endian
         data = data.astype(data.dtype.newbyteorder("<"))
     if not shape:
@@ -272,8 +265,7 @@ def array_prefix(key: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """One chunk inside a data file: ``file`` (its name inside ``data/``), the byte
-    ``offset`` and ``length`` there, and the crc32c its last four bytes hold."""
+    """One chunk inside a data file (``data/<file>``) and the crc32c its last bytes hold."""
 
     file: str
     offset: int
@@ -283,8 +275,7 @@ class Segment:
 
 @dataclasses.dataclass(frozen=True)
 class DataIndex:
-    """One process's index: data files (name -> bytes), chunks, and the stored dtype of
-    each array it holds chunks of (empty in an older index)."""
+    """One process's index: data files (name -> bytes), chunks, each array's stored dtype."""
 
     process: int
     files: dict[str, int]

@@ -155,8 +155,7 @@ class PackedReader(_chunk_files.ChunkReader):
         return segment
 
     def _ranged_segment(self, path: str, name: str, expected: int, ranges: list) -> None:
-        """Fills each ``(offset in the segment of chunk path, parts)`` of ``ranges`` from its
-        data file; the last four bytes must be the crc32c the data index lists."""
+        """Fills each ``(offset in the segment, parts)`` of ``ranges``, its crc32c checked."""
         segment = self._segment(path, expected)
         label = f"{path} ({_chunks.DATA_DIR}/{segment.file} at {segment.offset})"
         total = 0
@@ -195,9 +194,8 @@ class PackedReader(_chunk_files.ChunkReader):
             raise ValueError(f"chunk {where}: its crc32c differs from its data index's")
 
     def read(self, sub, shape, chunk, dtype, region=None) -> _chunk_files.PendingRead:
-        """Starts reading ``region`` (global; None: all) of array ``sub``, any region. On an
-        object store deferred: its chunks are declared to the fetch plan and its jobs
-        start at the first wait, so the plan knows every read issued before it."""
+        """Starts reading ``region`` (None: all) of array ``sub``; on an object store its
+        jobs start at the first wait, so the fetch plan knows every read issued before."""
         bounds, ranges = _cells(shape, chunk, region)
         if self._kv is not None:
             self._ranges.want(_key(sub, cell) for cell in itertools.product(*ranges))
@@ -222,8 +220,7 @@ class PackedReader(_chunk_files.ChunkReader):
         return read
 
     def read_compressed(self, index: int, record, region=None) -> CompressedRead:
-        """Starts reading ``region`` (global; None: all) of leaf ``index``'s compressed array:
-        the segments it touches, each checked and bounded, then decoded by tensorstore."""
+        """Starts reading ``region`` (None: all) of leaf ``index``'s compressed array."""
         sub, chunk = _layout.array_dir(index), record.storage.chunk_shape
         _, ranges = _cells(record.shape, chunk, region)
         keys = [_key(sub, cell) for cell in itertools.product(*ranges)]
@@ -234,8 +231,7 @@ class PackedReader(_chunk_files.ChunkReader):
         return CompressedRead(self._load_all(sub, keys, decoder, raw, 1), view, dtype)
 
     def compressed_batch(self, batch):
-        """``batch`` (compressed) as a tensorstore array, every shard fetched and checked
-        (ValueError for a damaged one); None for an uncompressed batch."""
+        """``batch`` (compressed) as a tensorstore array, every shard checked; else None."""
         if batch.codec is None:
             return None
         chunk, inner = int(batch.chunk), batch.inner
@@ -296,9 +292,6 @@ def _key(sub: str, cell) -> str:
     return "/".join([sub, *_chunks.chunk_parts(cell)]) if cell else f"{sub}/c"
 
 
-# -- format version 2's data index, read back: every field checked before use --------------
-
-
 _DATA_FILE = re.compile(r"^(0|[1-9][0-9]{0,8})-(0|[1-9][0-9]{0,8})\.bin$", re.ASCII)
 _KEY = re.compile(r"^(d/(0|[1-9][0-9]*)|b/[A-Za-z0-9][A-Za-z0-9_.-]*)/c(/(0|[1-9][0-9]*))+$")
 _ARRAY = re.compile(r"^(d/(0|[1-9][0-9]*)|b/[A-Za-z0-9][A-Za-z0-9_.-]*)$")
@@ -306,7 +299,6 @@ _DTYPE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
 
 def index_from_json(obj: Any, where: str, process: int) -> DataIndex:
-
     def bad(field: str, expected: str, found: Any):
         shown = repr(found)[:80]
         raise CorruptCheckpointError(f"{where}: field {field}: expected {expected}, found {shown}")
@@ -348,8 +340,7 @@ def index_from_json(obj: Any, where: str, process: int) -> DataIndex:
 def read_index(
     location: Location, process: int, *, listed: dict[str, str] | None = None
 ) -> DataIndex:
-    """The data index of ``process`` at ``location``, checked against the sha256 its commit
-    recorded (``listed``: when read already), every field validated; every reader's."""
+    """The data index of ``process`` at ``location``, checked against its commit's sha256."""
     name = index_name(process)
     where = f"{location}/{name}"
     if listed is None:
@@ -391,8 +382,7 @@ def _files(raw: Any, process: int, bad) -> dict[str, int]:
 
 
 def _array_chunks(raw: Any, chunks: dict[str, Segment], bad) -> dict[str, str]:
-    """The ``arrays`` field: ``{d/<i> or b/<batch>: dtype name}``, each an array this
-    index lists chunks of (absent in indexes written before it: no dtype is known)."""
+    """The ``arrays`` field: ``{d/<i> or b/<batch>: dtype name}`` (absent in older indexes)."""
     if not isinstance(raw, dict):
         bad("arrays", "an object", raw)
     held = {array_prefix(key) for key in chunks}
@@ -534,8 +524,7 @@ def plan_file(file: str, items: list, size: int) -> list[_Range]:
 
 
 class RangeReads:
-    """Planned, coalesced reads of the segments ``chunks`` lists from the open kvstore
-    ``kv`` (rooted at the checkpoint's ``data/``); ``file_bytes``: each data file's size."""
+    """Planned, coalesced reads of the segments ``chunks`` lists from the kvstore ``kv``."""
 
     def __init__(self, kv, chunks: dict[str, _chunks.Segment], file_bytes: dict[str, int]):
         self._kv = kv
@@ -597,14 +586,15 @@ class RangeReads:
             self._range_of[key] = entry
 
     def take(self, key: str, segment: _chunks.Segment) -> bytes | memoryview | None:
-        """The bytes of ``key``'s segment from its range (fetched now if not yet); None when
-        no plan holds it or its range came back short (the caller reads it alone)."""
+        """The bytes of ``key``'s segment from its range; None: the caller reads it alone."""
         with self._lock:
             entry = self._range_of.get(key)
             if entry is None or self._left[key] <= 0:
                 return None
-            if entry.future is None:
-                entry = self._start(entry, key)
+            if entry.future is None:  # past the memory bound: a piece of it, from key on
+                if self._held_bytes and self._held_bytes + entry.nbytes > FETCH_BYTES:
+                    entry = self._split(entry, key)
+                self._issue(entry)
             self._left[key] -= 1
             if self._left[key] == 0:
                 del self._range_of[key], self._left[key]
@@ -615,13 +605,6 @@ class RangeReads:
         lo = segment.offset - entry.start
         value = entry.bytes()[lo : lo + segment.length]
         return value if len(value) == segment.length else None
-
-    def _start(self, entry: _Range, key: str) -> _Range:
-        """Issues ``entry``'s GET, or past the memory bound a piece of it from ``key`` on."""
-        if self._held_bytes and self._held_bytes + entry.nbytes > FETCH_BYTES:
-            entry = self._split(entry, key)
-        self._issue(entry)
-        return entry
 
     def _issue(self, entry: _Range) -> None:
         if entry.whole is not None:

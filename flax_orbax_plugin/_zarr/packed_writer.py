@@ -1,10 +1,6 @@
-"""Writing chunks straight from host memory: whole chunks and batch shards cut from the
-snapshot (``ChunkWriter``, both formats), version 1's file per chunk (``ChunkFileWriter``,
-its first pages written with ``O_DIRECT`` where the filesystem allows) and format
-version 2's data files (``PackedWriter``).
-
-One writer per save, driven by the save's background thread only; its futures are
-completed by the writer's own threads.
+"""Writing chunks straight from host memory: version 1's file per chunk and version 2's
+data files. One writer per save, driven by the save's background thread only; its
+futures are completed by the writer's own threads.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._zarr.packed_writer``.
 """
@@ -51,9 +47,8 @@ _sync_file_range = _load_sync_file_range()
 
 
 def direct_span(first: np.ndarray, minimum: int = DIRECT_ALIGN) -> tuple[int, int]:
-    """(skip, length): ``length`` bytes of whole pages of ``first`` from its first page
-    boundary, ``skip`` bytes in (0, 0: not C-contiguous, or fewer than ``minimum``): at a
-    file offset congruent to its address, an ``O_DIRECT`` write (head and tail buffered)."""
+    """(skip, length) of the whole pages of ``first`` an ``O_DIRECT`` write can take (0, 0:
+    none, or fewer than ``minimum`` bytes)."""
     if not first.flags.c_contiguous:
         return 0, 0
     skip = -first.ctypes.data % DIRECT_ALIGN
@@ -63,8 +58,7 @@ def direct_span(first: np.ndarray, minimum: int = DIRECT_ALIGN) -> tuple[int, in
 
 
 class ChunkWriter:
-    """Writes whole zarr3 chunks of arrays under the local directory ``root``, cut from
-    host memory (zero-padded, checksummed), through each format's ``_write_file``."""
+    """Writes whole zarr3 chunks of arrays from host memory under the local ``root``."""
 
     def __init__(self, root: str, *, threads: int = _chunks.THREADS, local_only: bool = True):
         self._root = root
@@ -87,8 +81,6 @@ class ChunkWriter:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- arrays ------------------------------------------------------------------------
-
     def array(
         self,
         sub: str,
@@ -98,9 +90,8 @@ class ChunkWriter:
         data: np.ndarray,
         crcs: dict | None = None,
     ) -> list[concurrent.futures.Future] | None:
-        """Starts writing every chunk of the global region ``index`` of array ``sub`` from
-        ``data`` (edge chunks zero-padded); None, writing nothing, when it is not whole
-        chunks. ``crcs``: ``{chunk grid cell: crc32c}`` of chunks checksummed already."""
+        """Starts writing every chunk of the region ``index`` of array ``sub`` from ``data``;
+        None when it is not whole chunks. ``crcs``: of chunks checksummed already."""
         region = _chunks.whole_chunks(shape, chunk, index)
         if region is None or data.shape != region[0]:
             return None
@@ -120,13 +111,10 @@ class ChunkWriter:
             trailer = np.frombuffer(crc.to_bytes(_chunks.CRC_BYTES, "little"), np.uint8)
         self._write_file(name, [payload, trailer])
 
-    # -- batches (sharding_indexed) -----------------------------------------------------
-
     def batch(
         self, sub: str, chunk: int, inner: int, data: np.ndarray | Gathered
     ) -> list[concurrent.futures.Future]:
-        """Starts writing the whole 1-D batch array ``sub`` from ``data`` (or its pieces): a
-        zarr3 shard per ``chunk`` elements of checksummed ``inner``-element chunks."""
+        """Starts writing the whole 1-D batch array ``sub`` from ``data`` (or its pieces)."""
         if isinstance(data, np.ndarray):
             data = Gathered([(0, data)], data.dtype, data.size)
         size, itemsize = data.size, data.dtype.itemsize
@@ -171,8 +159,7 @@ def _zeros(nbytes: int) -> np.ndarray:
 
 
 class Gathered:
-    """A 1-D array (``dtype``, ``size`` elements) as non-overlapping pieces ``(byte offset,
-    C-contiguous array)`` with zeros between: a batch straight from its leaves' buffers."""
+    """A 1-D array as pieces ``(byte offset, C-contiguous array)``, zeros between."""
 
     def __init__(self, pieces: list[tuple[int, np.ndarray]], dtype, size: int):
         ordered = sorted(((int(o), _chunks.as_bytes(a)) for o, a in pieces), key=lambda p: p[0])
@@ -245,8 +232,7 @@ class ChunkFileWriter(ChunkWriter):
             os.close(fd)
 
     def _write_direct(self, fd: int, first: np.ndarray) -> int:
-        """Writes ``first``'s page-aligned head with ``O_DIRECT`` (a tenth of a buffered
-        write's system time); returns the bytes written. A refusing filesystem turns it off."""
+        """Writes ``first``'s page-aligned head with ``O_DIRECT``; returns the bytes written."""
         skip, head = direct_span(first)  # its whole pages, when it starts on a page
         if skip or not head:
             return 0
@@ -377,8 +363,7 @@ class PackedWriter(ChunkWriter):
         return name
 
     def _allocate_local(self, length: int, phase: int | None = None) -> tuple[str, int, int]:
-        """(file, offset, fd) for ``length`` bytes; ``phase``: an offset congruent to it
-        modulo a page (the bytes skipped mean nothing, FORMAT.md)."""
+        """(file, offset, fd) for ``length`` bytes at an offset congruent to ``phase``."""
         with self._lock:
             name = self._current
             if name is None or (self._files[name] and self._files[name] + length > self._target):
@@ -394,8 +379,7 @@ class PackedWriter(ChunkWriter):
             return name, offset, self._fds[name]
 
     def _write_direct_at(self, file: str, view: memoryview, offset: int) -> bool:
-        """Writes the page-aligned ``view`` at ``offset`` of ``file`` through a second,
-        ``O_DIRECT`` fd; False (direct I/O off) where the filesystem refuses."""
+        """Writes ``view`` at ``offset`` of ``file`` with ``O_DIRECT``; False where refused."""
         try:
             with self._lock:
                 fd = self._direct_fds.get(file)
@@ -412,8 +396,7 @@ class PackedWriter(ChunkWriter):
             return False
 
     def _append(self, array: str, pieces, length: int):
-        """Object stores: adds the pieces (joined at upload) to the array's lane's file;
-        returns (file, offset, the finished file's (name, pieces) or None)."""
+        """Object stores: adds the pieces to the array's lane's file; (file, offset, finished)."""
         full = None
         with self._lock:
             # an array's chunks go to one lane: side by side, read back by few GETs

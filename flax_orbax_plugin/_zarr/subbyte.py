@@ -1,8 +1,5 @@
-"""How sub-byte values (int4, float4, 1-, 2- and 6-bit dtypes) pack into bytes: a packed
-leaf's stored array, its regions, its values (FORMAT.md). A save of such leaves and
-their reads come here; a save of others never does.
-
-Pure functions: any thread.
+"""How sub-byte values pack into bytes: a packed leaf's stored array, its regions, its
+values (FORMAT.md). Pure functions: any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._zarr.chunks``.
 """
@@ -40,8 +37,7 @@ def stored(record: LeafRecord) -> LeafRecord:
 
 
 def group(bits: int) -> int:
-    """Values per group of whole bytes (4-bit: 2 in 1 byte; 2-bit: 4; 1-bit: 8; 6-bit: 4
-    in 3 bytes): a row's groups start on bytes."""
+    """Values per group of whole bytes (6-bit: 4 in 3 bytes); a row's groups start on bytes."""
     return 8 // math.gcd(bits, 8)
 
 
@@ -65,8 +61,7 @@ def pack_rows(values: np.ndarray, bits: int) -> np.ndarray:
 
 
 def unpack_rows(packed: np.ndarray, bits: int, width: int, skip: int, dtype) -> np.ndarray:
-    """Values ``skip .. skip + width`` of each row of ``packed`` (uint8 rows, each
-    starting on a group): an array of ``dtype`` (one canonical byte each)."""
+    """Values ``skip .. skip + width`` of each row of ``packed``, as ``dtype``."""
     packed = np.asarray(packed, np.uint8)
     g = group(bits)
     per = g * bits // 8
@@ -133,8 +128,7 @@ class Unpacked:
 
 
 def stored_region(record: LeafRecord, region) -> tuple[tuple, int, int]:
-    """For a read of ``region`` (global; None: all) of a packed leaf: (the stored region
-    holding it, from its first group's byte; values per row; values to skip per row)."""
+    """(stored region, values per row, values to skip per row) of a packed leaf's ``region``."""
     bits, n = bits_of(record.dtype), record.shape[-1]
     index = tuple(region) if region is not None else (slice(None),) * len(record.shape)
     start, stop = _last_axis(index, n)

@@ -20,8 +20,7 @@ __all__ = ["GPT2", "KeyMap", "check_transposes", "key_map_of", "transpose_patter
 
 @dataclasses.dataclass(frozen=True)
 class KeyMap:
-    """Rules ``((pattern, replacement or None), ...)`` and ``transposes`` patterns,
-    checked when made."""
+    """Rules ``((pattern, replacement or None), ...)`` and ``transposes``, checked when made."""
 
     rules: tuple[tuple[str, str | None], ...]
     transposes: tuple[str, ...] = ()

@@ -1,6 +1,5 @@
-"""The layout of a Hugging Face shard set: tensors, files, headers and offsets from the
-global paths, dtypes and shapes alone, so every process computes the same layout
-without exchanging a byte. Pure functions; any thread.
+"""The layout of a Hugging Face shard set from the global paths, dtypes and shapes alone:
+every process computes the same layout without exchanging a byte. Pure; any thread.
 """
 
 from __future__ import annotations

@@ -39,8 +39,7 @@ def _box(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
 
 def snapshot(layout: Layout, values: Mapping[str, Any]) -> list[tuple[str, tuple, np.ndarray]]:
     """This process's regions ``(leaf path, box in the leaf, host copy)``: device copies
-    started for all, then waited for. Regions of one leaf that fill a box together are
-    copied into one buffer (one range of the file, not a run per row each)."""
+    started for all, then waited for; one leaf's regions filling a box share a buffer."""
     primary = _distributed.is_primary()
     pending = []
     for path in layout.placed:
@@ -66,8 +65,7 @@ def _volume(box: tuple) -> int:
 
 
 def _merged(path: str, parts: list) -> list[tuple[str, tuple, np.ndarray]]:
-    """Host copies of one leaf's (disjoint) regions: one buffer when they fill their
-    bounding box, else one copy each."""
+    """Host copies of one leaf's regions: one buffer when they fill their box, else each."""
     if len(parts) > 1:
         boxes = [box for box, _ in parts]
         bound = tuple(
@@ -132,8 +130,7 @@ class _MemoryFile:
 
 
 class Pending:
-    """A thread started when made writes this process's bytes; :meth:`wait` joins it,
-    re-raises its error, returns what the step manifest records."""
+    """A thread started when made writes this process's bytes; :meth:`wait` joins it."""
 
     def __init__(
         self,

@@ -1,7 +1,6 @@
-"""Export: :func:`to_safetensors` (and the CLI's :func:`export_checkpoint`).
-
-A checkpoint is read a group of leaves at a time, written into shards under temporary
-names, renamed into place once durable; the index last. Single process, one thread.
+"""Export: :func:`to_safetensors` (and the CLI's :func:`export_checkpoint`): read a group
+of leaves at a time into shards renamed into place once durable, the index last. Single
+process, one thread.
 """
 
 from __future__ import annotations
@@ -193,8 +192,7 @@ def to_safetensors(
 
 
 def _outputs(out: str, count: int, force: bool) -> tuple[str, list[str], str]:
-    """(directory, file names, index name) of an export of ``count`` shards to ``out``;
-    refused inside a committed checkpoint or run, or over what ``force`` may not replace."""
+    """(directory, file names, index name) of an export of ``count`` shards to ``out``."""
     directory, names, index_name = output_names(out, count)
     held = holding_checkpoint(Location.from_path(os.path.realpath(directory)), runs=2)
     if held is not None:
@@ -223,8 +221,8 @@ def _plan(source: Any, key_map: Any, transpose_kernels: bool, dtype: Any, cast: 
 
 
 def _write(outputs: tuple, shards, tensors, read, meta, force, progress, limit) -> ExportResult:
-    """Writes the shards, places them, then the index, then removes what an old export
-    left (``force``); on any failure (Ctrl-C too) nothing of it stays."""
+    """Writes the shards, places them, the index, then removes an old export's leftovers;
+    on any failure (Ctrl-C too) nothing of it stays."""
     directory, names, index_name = outputs
     finals = [os.path.join(directory, n) for n in names]
     index_path = os.path.join(directory, index_name) if len(shards) > 1 else None
@@ -254,10 +252,8 @@ def _write(outputs: tuple, shards, tensors, read, meta, force, progress, limit) 
 
 
 def export_checkpoint(src: Any, out: Any, **options: Any) -> ExportResult:
-    """``flax-orbax export``: :func:`to_safetensors` of one of this plugin's checkpoints.
-
-    The header's metadata says nothing about the machine (files are published): at
-    most the step number and the item's name within it, never a path."""
+    """``flax-orbax export``: :func:`to_safetensors` of one of this plugin's checkpoints;
+    the header's metadata names no path (files are published)."""
     src = Location.from_path(src)
     fmt = "pt" if options.get("transpose_kernels") else "flax"
     meta = {"format": fmt, **_provenance(src), "exported_by": "flax-orbax"}
@@ -266,8 +262,7 @@ def export_checkpoint(src: Any, out: Any, **options: Any) -> ExportResult:
 
 
 def _provenance(src: Location) -> dict[str, str]:
-    """``{"step": "<n>", "item": "<name>"}`` for an item of a committed step, else
-    nothing: the source's path is the exporting machine's, not the model's."""
+    """``{"step": "<n>", "item": "<name>"}`` for an item of a committed step, else nothing."""
     manifest = manifest_for_item(src)
     if manifest is None:
         return {}
@@ -276,8 +271,7 @@ def _provenance(src: Location) -> dict[str, str]:
 
 
 def key_map_from_file(path: str) -> Callable[[str], str | None]:
-    """A key_map from a JSON object ``{leaf path: tensor name or null}``; leaves not
-    listed keep their default name."""
+    """A key_map from a JSON object ``{leaf path: tensor name or null}``."""
     path = local_path(path, what="key map file")
     raw = read_capped(path, follow_links=True, what="key map file", max_bytes=MAX_INDEX_BYTES)
     try:

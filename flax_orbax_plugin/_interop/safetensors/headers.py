@@ -1,9 +1,6 @@
-"""The safetensors layout, read with trust checks: dtype table, names, headers, index.
-
-Every header and index is checked against the real file (size, caps, overlaps) before
-anything sized by it is allocated; files must be regular (a symlink is followed: the
-Hugging Face cache links each file to its blob). Rules (sub-byte packing too):
-``docs/safetensors.md``.
+"""The safetensors layout, read with trust checks: dtype table, names, headers, index,
+each checked against the real file before anything sized by it is allocated (a symlink
+is followed: the Hugging Face cache links each file). Rules: ``docs/safetensors.md``.
 """
 
 from __future__ import annotations
@@ -65,8 +62,7 @@ def default_name(path: str) -> str:
 
 
 def default_names(paths: list[str]) -> dict[str, str]:
-    """Each leaf path's tensor name without a key map (both ways): :func:`default_name`,
-    unless two collide ('a.b' and 'a/b'): then every one is its full path."""
+    """Each leaf path's :func:`default_name`, or its full path where two collide."""
     names = {p: default_name(p) for p in paths}
     return names if len(set(names.values())) == len(names) else {p: p for p in paths}
 
@@ -96,9 +92,8 @@ def kernel_axes(path: str, ndim: int, transpose: bool) -> tuple[int, ...] | None
 
 
 def runs(shape: tuple[int, ...], box: Sequence[slice]) -> Iterator[tuple[int, int]]:
-    """``(first element, element count)`` of each contiguous range that the box
-    ``box`` (one slice of step 1 per axis) covers in a row-major tensor of ``shape``,
-    in the box's own row-major order (the order of its values, flattened)."""
+    """``(first element, element count)`` of each contiguous range ``box`` covers in a
+    row-major tensor of ``shape``, in the box's own row-major order."""
     n = len(shape)
     if n == 0:
         yield 0, 1
@@ -232,8 +227,7 @@ def _read_header(path: str) -> dict[str, Stored]:
 
 
 def read_safetensors_index(paths_or_index: Any) -> dict[str, Stored]:
-    """Every tensor of one file, several, an index or a directory (its
-    ``model.safetensors.index.json``, else ``model.safetensors``), validated."""
+    """Every tensor of one file, several, an index or a directory, validated."""
     if isinstance(paths_or_index, (list, tuple)):
         if not paths_or_index:  # it read nothing and gave {}
             raise OptionError(

@@ -1,6 +1,5 @@
-"""What an export writes and replaces, on local disk: output names, the files under
-temporary names until renamed into place (:class:`Staged`), and the proof that an
-existing file is ours (``force`` replaces only those). Single process, one thread.
+"""What an export writes and replaces, on local disk: output names, the staged files
+(:class:`Staged`), the proof that an existing file is ours. Single process, one thread.
 Rules: ``docs/safetensors.md``.
 """
 
@@ -35,8 +34,7 @@ _log = logging.getLogger(__package__)
 
 
 def output_names(out: str, count: int) -> tuple[str, list[str], str]:
-    """(directory, file names, index name) for ``out``: a ``*.safetensors`` path or a
-    directory."""
+    """(directory, file names, index name) for ``out``: a ``*.safetensors`` path or folder."""
     if out.endswith(".safetensors"):
         directory, stem = os.path.dirname(os.path.abspath(out)), os.path.basename(out)[:-12]
     else:
@@ -49,10 +47,8 @@ def output_names(out: str, count: int) -> tuple[str, list[str], str]:
             f"{out}: expected a directory for the export (or a path ending in "
             f".safetensors), found a file at {there}"
         )
-    if count == 1:
-        return directory, [f"{stem}.safetensors"], f"{stem}{INDEX_SUFFIX}"
     names = [f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-    return directory, names, f"{stem}{INDEX_SUFFIX}"
+    return directory, names if count > 1 else [f"{stem}.safetensors"], f"{stem}{INDEX_SUFFIX}"
 
 
 def proven_ours(path: str) -> tuple[dict | None, str]:
@@ -83,8 +79,7 @@ def proven_ours(path: str) -> tuple[dict | None, str]:
 
 
 def remove_if_ours(directory: str, name: str, stem: str) -> None:
-    """Removes ``directory/name`` when named like our shards of ``stem`` and proven ours;
-    anything else is left alone with a warning."""
+    """Removes ``directory/name`` when named like our shards and proven ours, else warns."""
     path = os.path.join(directory, name)
     if not re.fullmatch(SHARD_NAME_RE.format(stem=re.escape(stem)), name):
         _log.warning("%s: listed by the old index but not named like our shards; left alone", path)
@@ -108,8 +103,7 @@ def old_outputs(directory: str, index_name: str) -> set[str]:
 
 
 def check_outputs(directory: str, names: list[str], index_name: str, force: bool) -> None:
-    """An existing output name is a FileExistsError without ``force``, and with it a
-    ForeignEntryError unless proven ours."""
+    """An existing output: FileExistsError without ``force``, else ForeignEntryError if not ours."""
     single = names[0] if len(names) == 1 else index_name.replace(INDEX_SUFFIX, ".safetensors")
     targets = sorted({*names, index_name, single})
     clash = [n for n in targets if os.path.lexists(os.path.join(directory, n))]
@@ -132,8 +126,7 @@ def check_outputs(directory: str, names: list[str], index_name: str, force: bool
 def remove_stale(
     directory: str, index_name: str, names: list[str], old: set[str], *, force: bool, sharded: bool
 ) -> None:
-    """After the new files are in place: removes (:func:`remove_if_ours`) the files an
-    old index listed that this export did not write, and an unsharded one it replaces."""
+    """Removes (:func:`remove_if_ours`) what an old export left that this one did not write."""
     stem = index_name[: -len(INDEX_SUFFIX)]
     for stale in sorted(old - set(names) - ({index_name} if sharded else set())):
         remove_if_ours(directory, stale, stem)  # only files an old index listed
@@ -141,8 +134,6 @@ def remove_stale(
     if force and sharded and os.path.lexists(single):
         remove_if_ours(directory, os.path.basename(single), stem)  # an unsharded export
 
-
-# -- one export's files ----------------------------------------------------------------
 
 _GROUP_BYTES = 64 << 20  # leaves read per partial restore when exporting a checkpoint
 
@@ -154,10 +145,8 @@ def _groups(tensors: list[Tensor], limit: int | None) -> list[list[Tensor]]:
 
 
 class Staged:
-    """The temporary files of one export, named by its nonce after its marker: call
-    :meth:`write`, :meth:`place` each of :attr:`shard_tmps`, :meth:`write_index`, then
-    :meth:`done`; or on failure :meth:`discard` (every file it created, then the
-    marker). One thread."""
+    """The temporary files of one export, named by its marker's nonce: :meth:`write`,
+    :meth:`place` each shard, :meth:`write_index`, :meth:`done` (or :meth:`discard`). One thread."""
 
     def __init__(
         self, directory: str, names: list[str], shards: list[list[Tensor]], meta: dict[str, str]
@@ -174,8 +163,7 @@ class Staged:
         return self.tmps[: len(self.shards)]
 
     def _create(self, final_name: str) -> Any:
-        """A new binary file under ``final_name``'s temporary name, created exclusively:
-        a planted file or link is never followed."""
+        """A new binary file under ``final_name``'s temporary name, created exclusively."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         path = os.path.join(self.directory, _remains.temp_name(final_name, self.nonce))
         f = os.fdopen(os.open(path, flags, 0o644), "wb")
@@ -183,8 +171,7 @@ class Staged:
         return f
 
     def _open_shard(self, i: int) -> None:
-        """Shard ``i`` open for writing; the shards before it durable and closed (one
-        holding only empty tensors is created then)."""
+        """Shard ``i`` open for writing; the shards before it durable and closed."""
         while len(self.tmps) <= i:
             if self.file is not None:
                 _close_durable(self.file)
@@ -195,8 +182,7 @@ class Staged:
     def write(
         self, tensors: list[Tensor], read: Callable, bar, *, group_bytes: int | None = None
     ) -> None:
-        """Every shard, durable and closed, the tensors read a group at a time (``bar``:
-        a progress bar advanced by each tensor's bytes, or None)."""
+        """Every shard, durable and closed, the tensors read a group at a time."""
         by_path = {t.path: t for t in tensors}
         for group in _groups(tensors, group_bytes):
             for path, value in read([t.path for t in group]):

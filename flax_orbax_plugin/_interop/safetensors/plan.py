@@ -35,8 +35,7 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*(?:(?:([KMGT])(I)?)?B)?\s*$"
 
 
 def parse_size(size: int | str, option: str = "max_shard_size") -> int:
-    """Bytes in a size such as ``5GB`` (10**9, as Hugging Face counts), ``2MiB`` (2**20)
-    or a number of bytes; an OptionError naming ``option`` otherwise."""
+    """Bytes in a size such as ``5GB`` (10**9, as Hugging Face counts) or ``2MiB`` (2**20)."""
     value = None
     if isinstance(size, str):
         if m := _SIZE_RE.match(size):  # KB: 10**3, KiB: 2**10 ... TiB: 2**40
@@ -59,8 +58,7 @@ def parse_size(size: int | str, option: str = "max_shard_size") -> int:
 
 def checked_cast(dtype: Any, option: str = "dtype", *, byte_sized: bool = False):
     """``dtype=`` of an export or of ``HFShards``: None, or a floating dtype safetensors
-    has a tag for (``byte_sized``: not packed below a byte), as numpy's; else an
-    OptionError / OptionTypeError naming ``option``."""
+    has a tag for (``byte_sized``: not packed below a byte), as numpy's."""
     try:
         out = _onto_like.checked_dtype(dtype)
     except (OptionError, OptionTypeError) as e:
@@ -84,8 +82,7 @@ def checked_cast(dtype: Any, option: str = "dtype", *, byte_sized: bool = False)
 
 
 def checked_metadata(metadata: Any) -> dict[str, str] | None:
-    """``metadata=`` (the header's ``__metadata__``): None or a mapping of str to str;
-    an OptionTypeError naming the entry otherwise."""
+    """``metadata=`` (the header's ``__metadata__``): None or a mapping of str to str."""
     if metadata is None:
         return None
     if not isinstance(metadata, Mapping):
@@ -149,8 +146,7 @@ def split_shards(tensors: list[Tensor], limit: int) -> list[list[Tensor]]:
 
 
 class ListedKeyMap:
-    """A key map ``{leaf path: tensor name or None}``: listed leaves take their entry,
-    the others their default name; :meth:`check`: every listed path is a leaf."""
+    """A key map ``{leaf path: tensor name or None}``; others keep their default name."""
 
     def __init__(self, mapping: dict[str, str | None], where: str):
         self.mapping, self.where = mapping, where
@@ -187,8 +183,7 @@ def refuse_over_limit(tensors: list[Tensor], limit: int | None) -> None:
 
 
 def checked_key_map(key_map: Any) -> Callable[[str], str | None] | None:
-    """``key_map=``: None, a function, or a mapping (as a :class:`ListedKeyMap`); an
-    OptionTypeError otherwise."""
+    """``key_map=``: None, a function, or a mapping (as a :class:`ListedKeyMap`)."""
     if key_map is None or isinstance(key_map, ListedKeyMap):
         return key_map
     if isinstance(key_map, Mapping):
@@ -209,9 +204,8 @@ def checked_key_map(key_map: Any) -> Callable[[str], str | None] | None:
 
 
 def checked_name(path: str, name: Any, default: bool, option: str = "key_map") -> str:
-    """``name``, the tensor name of leaf ``path``, or a StructureError (``default``: a
-    default name) / OptionError (``option``'s) naming the leaf: a writer never commits
-    a header ``safetensors`` refuses."""
+    """``name``, the tensor name of leaf ``path``, checked as ``safetensors`` would
+    (``default``: a default name, a StructureError; else ``option``'s OptionError)."""
     if not isinstance(name, str) or not name:
         fault = f"expected a tensor name (a non-empty str), found {name!r:.80}"
     elif name == METADATA_KEY:
@@ -232,9 +226,7 @@ def checked_name(path: str, name: Any, default: bool, option: str = "key_map") -
 
 
 def tensor_dtype(path: str, leaf_dtype, cast) -> np.dtype:
-    """The dtype leaf ``path`` is written as: its own, or ``cast`` (a floating dtype:
-    :func:`checked_cast`) for a floating leaf; a StructureError when safetensors has
-    no tag for it."""
+    """The dtype leaf ``path`` is written as: its own, or ``cast`` for a floating leaf."""
     out = np.dtype(leaf_dtype)
     if cast is not None and _onto_like._is_float(out):
         out = np.dtype(cast)
@@ -290,8 +282,7 @@ def plan_tensors(
 
 
 def tensor_bytes(t: Tensor, value: Any, shape: tuple[int, ...] | None = None) -> np.ndarray:
-    """The bytes of ``value`` (of shape ``shape`` once written; default: the whole
-    tensor's) as ``t`` is written: cast, transposed, little-endian, packed."""
+    """The bytes of ``value`` as ``t`` is written: cast, transposed, little-endian, packed."""
     arr = np.asarray(value)
     if arr.dtype != t.dtype:  # a value the cast would change: StructureError naming it
         _onto_like.check(t.path, arr, t.dtype, cast=t.cast)

@@ -1,8 +1,5 @@
-"""Reading safetensors straight onto ``like``: :func:`from_safetensors`.
-
-Every header is validated first; each process reads only the regions its devices hold
-(one ``pread`` per contiguous run), from files checked to be those whose headers were
-read. Collective-free: works on every process of a multi-process job.
+"""Reading safetensors straight onto ``like``: :func:`from_safetensors`. Every header is
+validated first; each process reads only the regions its devices hold. Collective-free.
 """
 
 from __future__ import annotations
@@ -220,9 +217,7 @@ def _read_onto(
 
 
 def held_bytes(plan: _placing.LeafPlan) -> int:
-    """Host bytes reading ``plan``'s leaf holds beyond the result, at most: its largest
-    piece here where that is not the result itself (placed on a device, or cast), plus
-    its cast."""
+    """Host bytes reading ``plan``'s leaf holds beyond the result, at most."""
     like = plan.like
     stored, out = plan.stored_dtype.itemsize, plan.out_dtype.itemsize
     cast = plan.out_dtype != plan.stored_dtype
@@ -253,8 +248,7 @@ def _refuse_over_limit(plans: list, limit: int | None) -> None:
 
 
 def _check_placeable(plans: list) -> None:
-    """A leaf read onto a device in a dtype jax cannot place there (float6 on CPU) is
-    fop.restore's StructureError, not jax's raw error: one probe per dtype and device."""
+    """A StructureError, not jax's, for a dtype jax cannot place on a device (float6 on CPU)."""
     seen = set()
     for plan, _, _ in plans:
         if plan.key_impl is not None or not isinstance(

@@ -58,8 +58,7 @@ def end(directory: str, nonce: str) -> None:
 
 
 def _writer_gone(path: str, nonce: str) -> bool:
-    """True when ``path`` is our marker for ``nonce``, of a process of this host that
-    is gone; False whenever that is not certain."""
+    """True when ``path`` is our marker for ``nonce`` of a gone process of this host."""
     try:
         doc = loads_json(
             read_capped(path, follow_links=False, what="marker", max_bytes=_MAX_MARKER_BYTES), path
