@@ -180,8 +180,7 @@ _ANNOTATIONS = {
 
 
 def check(declared: Iterable[Option], values: Mapping[str, Any]) -> dict[str, Any]:
-    """Every option of ``declared`` present in ``values`` checked, by its name:
-    ``{name: checked value}``; the first bad one raises OptionError naming it."""
+    """``{name: checked value}`` of the options of ``declared`` present in ``values``."""
     out = {}
     for option in declared:
         if option.name in values:
@@ -221,8 +220,7 @@ def fault_spec(text: str, *, with_errno: bool) -> FaultSpec:
 
 
 def _point(name: str, what: str, *, with_errno: bool = False) -> tuple[Option, None]:
-    """A test hook's variable (``phase[:N]``, and ``:ERRNO`` ``with_errno``), unset by
-    default; ``what``: the words of its messages."""
+    """A test hook's variable, unset by default; ``what``: the words of its messages."""
     convert = lambda t: fault_spec(t, with_errno=with_errno)
     return Option(name, "custom", convert=convert, expected=what), None
 
@@ -326,8 +324,7 @@ class InjectedFault(OSError):
 
 
 def _reached(variable: str, phase: str, key: str) -> FaultSpec | None:
-    """The spec in ``variable`` (checked by :func:`read`) when ``phase`` is named there and
-    this is its Nth hit."""
+    """The spec in ``variable`` when it names ``phase`` and this is its Nth hit."""
     spec = read(variable)
     if spec is None or spec.phase != phase:
         return None

@@ -110,7 +110,6 @@ def empty(shape, dtype) -> np.ndarray:
 
 
 def copy(array: np.ndarray) -> np.ndarray:
-    """An aligned copy of ``array``."""
     out = empty(array.shape, array.dtype)
     np.copyto(out, array)
     return out
@@ -231,8 +230,7 @@ def refuse_if_detected(operation: str) -> None:
     if how is None or _env.read("FOP_PATHWAYS") == "allow":
         return
     raise UnsupportedRuntimeError(
-        f"{operation}: Pathways (single-controller JAX) detected ({how}): flax_orbax_plugin"
-        f" needs each host's own process (multi-controller JAX). Run one process per host, or"
-        f" Orbax with pathwaysutils under Pathways; FOP_PATHWAYS=allow runs it anyway"
-        f" (untested: every shard passes through the controller's host memory)"
+        f"{operation}: Pathways (single-controller JAX) detected ({how}): run one process per"
+        f" host (multi-controller JAX), or Orbax with pathwaysutils; FOP_PATHWAYS=allow runs"
+        f" it anyway (untested: every shard passes through the controller's host memory)"
     )

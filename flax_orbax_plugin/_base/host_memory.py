@@ -71,8 +71,7 @@ def resolve(ceiling: int | str | None) -> int | None:
 
 
 def _shards(leaf: Any) -> list[tuple[tuple[int, ...], int]]:
-    """``[(shape, itemsize)]`` of the pieces of ``leaf`` this process holds (a jax
-    array's addressable shards from their indices, a numpy array whole)."""
+    """``[(shape, itemsize)]`` of the pieces of ``leaf`` this process holds."""
     dtype = getattr(leaf, "dtype", None)
     shape = getattr(leaf, "shape", None)
     if dtype is None or shape is None or not hasattr(dtype, "itemsize"):
@@ -125,17 +124,15 @@ def save_budget(given: int | str | None, items: Any, incremental: bool) -> tuple
     if row > ceiling:
         shown = given if isinstance(given, int) else repr(AUTO)
         raise OptionError(
-            f"host_memory={shown}: a save under a ceiling of {ceiling} bytes copies at least "
-            f"one row of a leaf at a time, and a row of leaf {path!r} holds {row} bytes; "
-            f"nothing was written: raise host_memory to at least {row}, or give "
-            f"host_memory=None (no bound)"
+            f"host_memory={shown}: a save copies at least one row at a time, a row of leaf "
+            f"{path!r} holds {row} bytes, over the ceiling of {ceiling} bytes; nothing was "
+            f"written: raise host_memory to at least {row}, or give host_memory=None"
         )
     return ceiling, ceiling
 
 
 def check_ceiling(value: Any) -> int | str | None:
-    """``value`` if it is a ceiling (a positive int64 of bytes, ``"auto"`` or None); else
-    ValueError / TypeError in an option message's words."""
+    """``value`` if it is a ceiling (bytes, ``"auto"`` or None); else ValueError / TypeError."""
     if value is None or value == AUTO:
         return value
     if isinstance(value, bool) or not isinstance(value, int):

@@ -83,9 +83,7 @@ def cmd_inspect(args) -> int:
 
 
 def _describe_item(item) -> dict[str, Any]:
-    """One item of ``inspect --json``: a pytree's leaves (metadata only), a JSON item's
-    value, an ``fop.HFShards`` item's tensors (its files' headers, on local disk only),
-    else only its kind (never read as JSON)."""
+    """One item of ``inspect --json`` (an ``fop.HFShards`` item's from its headers)."""
     described = {"name": item.name, "kind": item.kind}
     if item.kind in JSON_KINDS:
         return {**described, "value": read_json_item(item)}

@@ -49,6 +49,12 @@ PATH_ARGUMENTS = {
 }
 
 
+_LOST = (
+    "from a shell nothing is there, and what this command writes is lost when it exits "
+    "(use a local path, s3:// or gs://)"
+)
+
+
 class StoreAccessError(CliError):
     """An object store refused: no such bucket, no credentials, access denied."""
 
@@ -56,8 +62,7 @@ class StoreAccessError(CliError):
 
 
 def check_paths(args: argparse.Namespace, *, in_process: bool = False) -> list[dict]:
-    """The specs of the store paths; CliError naming the first path argument that names
-    no place it may be, or a memory:// OUT from a shell; a warning for another memory://."""
+    """The specs of the store paths; CliError for a path argument naming no place it may be."""
     specs = []
     for attr, name, where in PATH_ARGUMENTS[args.command]:
         value = getattr(args, attr)
@@ -68,19 +73,13 @@ def check_paths(args: argparse.Namespace, *, in_process: bool = False) -> list[d
                 local_path(value, what=name, note=_NOTE.get(attr, ""))
                 continue
             specs.append(spec_from_path(value, what=name))
-            if specs[-1]["driver"] == "memory" and attr == "out" and not in_process:
-                raise ValueError(
-                    f"{name} {value!r}: memory:// lives inside one process: what this "
-                    f"command writes there is lost when it exits (use a local path, s3:// "
-                    f"or gs://)"
-                )
-            if specs[-1]["driver"] == "memory":
-                print(  # main() called in-process (tests) shares its memory:// store
-                    f"flax-orbax {args.command}: warning: {name} {value!r}: memory:// lives "
-                    f"inside one process; from a shell nothing is there, and what this "
-                    f"command writes is lost when it exits (use a local path, s3:// or gs://)",
-                    file=sys.stderr,
-                )
+            if specs[-1]["driver"] != "memory":
+                continue
+            said = f"{name} {value!r}: memory:// lives inside one process"
+            if attr == "out" and not in_process:
+                raise ValueError(f"{said}: {_LOST}")
+            # main() called in-process (tests) shares its memory:// store
+            print(f"flax-orbax {args.command}: warning: {said}; {_LOST}", file=sys.stderr)
         except ValueError as e:
             raise CliError(one_line(e)) from None
     return specs
@@ -93,8 +92,7 @@ def run(
     in_process: bool = False,
 ) -> int:
     """``command``'s exit status, its paths checked first; on an object store AWS log
-    lines kept off stderr, a refusal one :class:`StoreAccessError` line. ``in_process``:
-    ``main(argv)`` called from Python."""
+    lines kept off stderr, a refusal one :class:`StoreAccessError` line."""
     specs = check_paths(args, in_process=in_process)
     remote = [s for s in specs if s["driver"] in ("s3", "gcs")]
     with aws_lines_filtered(enabled=any(s["driver"] == "s3" for s in remote)):

@@ -116,10 +116,8 @@ def _list_data(loc: Location, args) -> int:
 def _step_record(
     loc: Location, step: int, *, step_loc: Location | None = None, shut: str | None = None
 ) -> dict:
-    """One step of ``list``: the fields of ``list --json`` (its metrics: the finite ones),
-    and three not in it (``_time``: for a plot, ``_metrics``: every numeric extra,
-    ``_damage``: whether the step's error is damage); ``shut``: why the listing could not
-    read the step's folder."""
+    """One step of ``list``: the fields of ``list --json``, and ``_time`` (for a plot),
+    ``_metrics`` (every numeric extra), ``_damage`` (whether ``damaged`` is damage)."""
     step_loc = step_loc or _steps.step_location(loc, step)
     out: dict[str, Any] = {"step": step, "_time": None, "size_bytes": None}
     try:
@@ -154,8 +152,7 @@ def _why(e: BaseException) -> str:
 
 
 def _list_row(record: dict) -> dict[str, str]:
-    """One row of the ``list`` table from :func:`_step_record`'s ``record``: the step's
-    size, the array bytes its save wrote and reused (incremental)."""
+    """One row of the ``list`` table from :func:`_step_record`'s ``record``."""
     step = str(record["step"])
     if record["damaged"] is not None:
         what = "DAMAGED: " if record["_damage"] else ""

@@ -1,10 +1,8 @@
 """The ``flax-orbax`` parser and entry point: errors as one line on stderr and an exit
 status (1: damage found by ``verify``, 3: an object store refused, 2: anything else).
 
-The standard library only, so ``--help`` and ``--version`` answer at once; ``main``
-loads the commands (JAX and tensorstore: seconds) only after the arguments parse and
-:func:`check_usage` has said the usage errors the arguments alone show (the commands do
-not check those again).
+The standard library only (``--help`` answers at once); ``main`` loads the commands (JAX:
+seconds) only after :func:`check_usage` passed (the commands do not check that again).
 """
 
 from __future__ import annotations

@@ -32,8 +32,7 @@ def is_aws_line(line: bytes) -> bool | None:
 
 @contextlib.contextmanager
 def aws_lines_filtered(*, enabled: bool = True):
-    """While the block runs, descriptor 2 goes through the filter; restored, every
-    line copied, before it returns."""
+    """Descriptor 2 through the filter while the block runs (every line copied on exit)."""
     if not enabled or os.environ.get("FLAX_ORBAX_DEBUG"):
         yield
         return

@@ -45,9 +45,7 @@ _KEYWORD = re.compile(r"\b(" + "|".join(_FLAGS) + r")(=| >= )(\d+)( \(or None\))
 
 
 def in_flag_words(text: str) -> str:
-    """``text`` with each keyword the command line takes as a flag in the flag's words:
-    ``memory_limit_bytes >= N (or None)`` as ``--memory-limit N or more (or leave it
-    out)``."""
+    """``text`` with each keyword the command line takes as a flag in the flag's words."""
 
     def flag(m: re.Match) -> str:
         name, how, figure, none = _FLAGS[m.group(1)], m.group(2), m.group(3), m.group(4)

@@ -25,10 +25,8 @@ class Item:
 def resolve(
     path: str, step: int | None, item: str | None = None, *, default: str | None = None
 ) -> tuple[str, list[Item]]:
-    """(label, items) for PATH: a core checkpoint, a step, an item, or a directory.
-
-    ``step`` and ``item`` (``default`` when None, for a step or a run) choose; where
-    PATH already names one, another value is a CliError naming both, never ignored."""
+    """(label, items) for PATH: a core checkpoint, a step, an item, or a directory;
+    ``step`` and ``item`` (or ``default``) choose, a CliError where PATH already did."""
     loc = Location.from_path(path)
     if loc.exists(COMMIT_FILE):
         _only(loc, "a core checkpoint (one pytree, no steps or items)", step, None, item, None)

@@ -137,9 +137,8 @@ def _handling_interruption() -> bool:
 
 
 def open_standard_streams() -> None:
-    """A descriptor 0, 1 or 2 the shell left closed (``>&-``) is opened on
-    ``/dev/null``, and a Python stream that is None is made: else stderr's lines went
-    into stdout, or a log line into the first file the command opened."""
+    """Descriptors 0, 1, 2 the shell left closed (``>&-``) opened on ``/dev/null``: else a
+    log line went into the first file the command opened."""
     for fd in (0, 1, 2):
         try:
             os.fstat(fd)

@@ -74,9 +74,8 @@ def _name(r: Any, step: str = "") -> str:
 
 
 def _run_steps(loc: Location, args) -> tuple[list[int], dict[int, str]]:
-    """The steps of run ``loc`` to verify one at a time (all, or the newest, an
-    unreadable one included), and why each unreadable one was shut; none for anything
-    else (``fop.verify`` of PATH)."""
+    """The steps of run ``loc`` to verify one at a time, and why each unreadable one was
+    shut; none for anything else (``fop.verify`` of PATH)."""
     if args.step is not None:
         return [], {}
     try:
@@ -93,9 +92,8 @@ def _run_steps(loc: Location, args) -> tuple[list[int], dict[int, str]]:
 def _verify_each_step(
     loc: Location, steps: list[int], shut: dict[int, str], limit: int | None
 ) -> tuple[list, list[dict[str, Any]]]:
-    """``verify`` of ``steps`` of run ``loc``, each by its own path: a step that cannot
-    be read (not damage; ``shut``: those the listing could not read) is reported and
-    the others still checked. ``limit``: ``--memory-limit``."""
+    """``verify`` of each step by its own path: one that cannot be read (not damage) is
+    reported and the others still checked."""
     results, unreadable = [], []
     for step in steps:
         where = str(_steps.step_location(loc, step))
