@@ -15,15 +15,15 @@ import math
 import numbers
 import operator
 import os
-import re
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from .._errors import CheckpointError, OptionError, OptionTypeError
+from .fault_specs import FaultSpec, fault_spec
 
 INT64_MAX = (1 << 63) - 1  # sizes and counts handed to tensorstore or the OS
 
@@ -191,32 +191,6 @@ def check(declared: Iterable[Option], values: Mapping[str, Any]) -> dict[str, An
 def flag(name: str, value: Any) -> bool:
     """``value`` of the flag ``name`` as a bool; 1, "no" or None: OptionTypeError."""
     return Option(name, "flag").check(value)
-
-
-class FaultSpec(NamedTuple):
-    """A test hook's variable, ``phase[:N[:ERRNO]]``: the phase, from its ``nth`` hit on,
-    and the errno name of an injected error."""
-
-    phase: str
-    nth: int
-    errno_name: str
-    text: str
-
-
-_PHASE = re.compile(r"[a-z][a-z0-9_-]*\Z")
-
-
-def fault_spec(text: str, *, with_errno: bool) -> FaultSpec:
-    parts = text.split(":")
-    if len(parts) > (3 if with_errno else 2) or not _PHASE.match(parts[0]):
-        raise ValueError("bad syntax")
-    nth = parts[1] if len(parts) > 1 else "1"
-    if not nth.isdigit() or int(nth) < 1:
-        raise ValueError("bad hit count")
-    name = parts[2] if len(parts) > 2 else "EIO"
-    if not isinstance(getattr(errno, name, None), int) or not name.isupper():
-        raise ValueError("bad errno name")
-    return FaultSpec(parts[0], int(nth), name, text)
 
 
 def _point(name: str, what: str, *, with_errno: bool = False) -> tuple[Option, None]:
