@@ -68,12 +68,8 @@ class Option:
     def _derived_words(self) -> str:
         if self.kind == "choice":
             text = "one of " + ", ".join(repr(c) for c in self.choices)
-        elif self.kind == "flag":
-            text = "True or False"
-        elif self.kind == "str":
-            text = "a non-empty str"
-        elif self.kind == "callable":
-            text = "a callable"
+        elif self.kind in _WORDS:
+            text = _WORDS[self.kind]
         else:
             noun = "an int" if self.kind == "int" else "a finite number"
             bounds = []
@@ -169,6 +165,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
+_WORDS = {"flag": "True or False", "str": "a non-empty str", "callable": "a callable"}
 _PLAIN = {"int": operator.index, "number": float, "flag": bool, "choice": _plain}
 _ANNOTATIONS = {
     "int": "int",

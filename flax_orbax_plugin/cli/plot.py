@@ -1,9 +1,6 @@
 """``inspect --plot FILE`` and ``list --plot FILE``: one step's leaves by size, or a
-run's saves over time, as PNG or SVG (by FILE's suffix).
-
-matplotlib is optional (without it: one line before anything is read); its object API
-(no pyplot: no global figure, no GUI backend); written beside FILE under a temporary
-name and renamed onto it (no half file).
+run's saves over time, as PNG or SVG; matplotlib (optional) by its object API (no global
+figure), written under a temporary name and renamed onto FILE.
 """
 
 from __future__ import annotations

@@ -53,17 +53,15 @@ class _PipeSafe:
 
 
 class Interrupts:
-    """Ctrl-C and SIGTERM for a shell's command: one line, and 130 or 143, whenever they
-    come and however many. Held back while the commands load (an interrupted JAX import
-    aborts), then raised where the command is; one arriving during an interruption's
-    clean-up is noted, not raised; one Python swallowed is still known (``signum``);
-    after :meth:`finish`, one says it came too late and exits at once.
+    """Ctrl-C and SIGTERM for a shell's command: one line, and 130 or 143. Held back while
+    the commands load (an interrupted JAX import aborts), then raised where the command
+    is; during an interruption's clean-up only noted; after :meth:`finish`, too late.
 
     Main thread; call order: :meth:`loaded`, then :meth:`stopped` or :meth:`finish`.
     """
 
-    def __init__(self, command: str = "") -> None:
-        self.command = command
+    def __init__(self) -> None:
+        self.command = ""
         self.signum: int | None = None  # the first signal: the one the command reports
         self._state = "loading"  # then "running", and "stopped" or "finished"
 
@@ -82,15 +80,13 @@ class Interrupts:
             _raise(self.signum)
 
     def stopped(self) -> None:
-        """``main`` has said how the command ended: later signals are ignored (not
-        handled: after finalization a default handler would kill the process)."""
+        """Later signals ignored (after finalization a default handler would kill us)."""
         self._state = "stopped"
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def finish(self, status: int) -> int:
-        """The exit status: ``status``, or 130 / 143 where a signal came that could not
-        stop the command (said so on stderr)."""
+        """``status``, or 130 / 143 where a signal came too late to stop the command."""
         if self._state == "stopped":
             return status
         self._state = "finished"
@@ -155,8 +151,7 @@ def open_standard_streams() -> None:
 
 
 def install_signals() -> Interrupts:
-    """Ctrl-C and SIGTERM as :class:`Interrupts` says, before the arguments parse. A
-    signal the command was started ignoring (``cmd &``: SIGINT) stays ignored."""
+    """Ctrl-C and SIGTERM as :class:`Interrupts` says; one ignored at start (``cmd &``) stays so."""
     interrupts = Interrupts()
     for signum in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(signum) is not signal.SIG_IGN:
@@ -165,8 +160,7 @@ def install_signals() -> Interrupts:
 
 
 def install(interrupts: Interrupts, command: str) -> None:
-    """Once parsed: stdout safe from a closed pipe, warnings as the command's lines
-    (``flax-orbax list: warning: ...``), ``command`` named by :class:`Interrupts`."""
+    """Once parsed: stdout safe from a closed pipe, warnings as the command's lines."""
     interrupts.command = command
     sys.stdout = _PipeSafe(sys.stdout)  # type: ignore[assignment]
 
