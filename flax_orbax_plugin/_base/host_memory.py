@@ -7,6 +7,7 @@ Pure functions over frozen declarations (they read ``/proc`` and ``/sys``), any 
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.host``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -240,8 +241,7 @@ _madvise = _load_madvise()
 
 def populate(buffer: np.ndarray) -> bool:
     """Makes every page of ``buffer`` (C-contiguous, page-aligned) resident and writable
-    now: ``madvise(MADV_POPULATE_WRITE)`` where the kernel has it, else one byte written
-    per page (the values are garbage either way). Returns whether madvise did it."""
+    now; whether ``madvise(MADV_POPULATE_WRITE)`` did it (else one byte written per page)."""
     flat = buffer.reshape(-1).view(np.uint8)
     address, length = flat.ctypes.data, flat.size - flat.size % PAGE
     if _madvise is not None and length and address % PAGE == 0:
@@ -252,12 +252,11 @@ def populate(buffer: np.ndarray) -> bool:
 
 
 class BufferPool:
-    """The buffers of the last save that gave its buffers back: a fresh buffer costs its
-    page faults (about 0.6 s per GB), one touched before only the copy.
+    """The buffers of the last save that gave them back (``reuse_host_buffers=True``): a
+    fresh buffer costs its page faults (about 0.6 s per GB), one touched before only the copy.
 
     Call order: :meth:`empty` from the blocking phase (training thread), :meth:`give_back`
-    from the background write once nothing reads the buffers; one lock guards the free
-    lists. A buffer is handed out only after it was given back.
+    from the background write once nothing reads them; one lock guards the free lists.
     """
 
     MIN_BYTES = 1 << 16  # smaller buffers come from malloc's heap cheaply anyway
@@ -305,14 +304,12 @@ class BufferPool:
         return raw.view(dtype).reshape(shape)
 
     def copy(self, array: np.ndarray) -> np.ndarray:
-        """A pooled copy of ``array``."""
         out = self.empty(array.shape, array.dtype)
         np.copyto(out, array)
         return out
 
     def give_back(self, arrays) -> None:
-        """Makes ``arrays`` (from :meth:`empty`, no longer read) the free buffers, dropping
-        those given back earlier: the pool holds one save's worth at most."""
+        """Makes ``arrays`` (no longer read) the free buffers: one save's worth at most."""
         free: dict[int, list[np.ndarray]] = {}
         for a in arrays:
             if a.nbytes >= self.MIN_BYTES and a.flags.c_contiguous:

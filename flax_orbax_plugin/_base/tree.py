@@ -76,7 +76,6 @@ def empty_kind(x: Any) -> str:
 
 
 def empty_value(kind: str) -> Any:
-    """A fresh ``{}`` or ``[]`` for a record of kind ``empty_dict`` or ``empty_list``."""
     return [] if kind == "empty_list" else {}
 
 

@@ -38,7 +38,7 @@ from .._manager.retention import Retention, sound_steps_to_delete
 from .._storage import lease as _lease
 from .._storage.location import Location
 from .._storage.lock import live_holder
-from . import json_output, plot
+from . import display, json_output
 from .display import byte_progress, make_table, status
 from .output import CliError, human_bytes, one_line, shell_word
 from .paths import JSON_KINDS, names_one, read_json_item, resolve
@@ -58,17 +58,17 @@ def _sharding_str(sharding: Any) -> str:
 
 def cmd_inspect(args) -> int:
     if args.plot:
-        plot.check_output(args.plot)
+        display.check_output(args.plot)
     label, items = resolve(args.path, args.step, args.item)
     described = [_describe_item(item) for item in items]
     grand_total = sum(d.get("total_bytes", 0) for d in described)
     if args.plot:
         bars = [
-            plot.Bar(f"{d['name']}/{leaf['path']}", d["name"], leaf["bytes"])
+            display.Bar(f"{d['name']}/{leaf['path']}", d["name"], leaf["bytes"])
             for d in described
             for leaf in d.get("leaves", ())
         ]
-        plot.leaves_figure(label, bars, args.plot)
+        display.leaves_figure(label, bars, args.plot)
     if args.json:
         json_output.emit({"path": label, "items": described, "total_bytes": grand_total})
         return 0

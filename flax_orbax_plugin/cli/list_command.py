@@ -12,7 +12,7 @@ from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE
 from .._storage.location import Location
-from . import json_output, plot
+from . import display, json_output
 from .display import make_table
 from .output import CliError, human_bytes, iso_time, one_line, shell_word
 from .paths import describe_missing, dir_bytes, load_extras
@@ -21,7 +21,7 @@ from .paths import describe_missing, dir_bytes, load_extras
 def cmd_list(args) -> int:
     loc = Location.from_path(args.directory)
     if args.plot:
-        plot.check_output(args.plot)
+        display.check_output(args.plot)
     if args.json or args.plot:
         return _list_data(loc, args)
     if _list_one_checkpoint(loc):
@@ -93,11 +93,11 @@ def _list_data(loc: Location, args) -> int:
         records = [_step_record(loc, step, shut=shut.get(step)) for step in steps]
     if args.plot:
         saves = [
-            plot.Save(r["step"], r["_time"], r["bytes_written"], r["bytes_reused"])
+            display.Save(r["step"], r["_time"], r["bytes_written"], r["bytes_reused"])
             for r in records
             if r["_time"] is not None
         ]
-        plot.saves_figure(str(directory), saves, args.plot)
+        display.saves_figure(str(directory), saves, args.plot)
     if args.json:
         json_output.emit(
             {
