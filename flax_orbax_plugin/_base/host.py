@@ -219,9 +219,7 @@ def detected() -> str | None:
         return f"jax_platforms is {platforms!r}"
     bridge = sys.modules.get("jax._src.xla_bridge")  # only a backend already made
     backends = getattr(bridge, "_backends", None) or {}
-    if PROXY in backends:
-        return "the proxy backend is initialised"
-    return None
+    return "the proxy backend is initialised" if PROXY in backends else None
 
 
 def refuse_if_detected(operation: str) -> None:

@@ -198,9 +198,7 @@ def take_old_name(given: Mapping[str, Any], owner: str = "") -> dict[str, Any]:
         DeprecationWarning,
         stacklevel=outside_stacklevel(),
     )
-    out = {k: v for k, v in given.items() if k != old}
-    out["host_memory"] = value
-    return out
+    return {k: v for k, v in given.items() if k != old} | {"host_memory": value}
 
 
 def refuse_idle(out: Mapping[str, Any]) -> None:

@@ -140,10 +140,9 @@ def signature(
 ) -> inspect.Signature:
     """``leading`` (``self``, ``directory``...), then every declared option as a
     keyword-only parameter with its default and type."""
+    keyword_only = inspect.Parameter.KEYWORD_ONLY
     options = [
-        inspect.Parameter(
-            o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.type_text
-        )
+        inspect.Parameter(o.name, keyword_only, default=o.default, annotation=o.type_text)
         for o in declared
     ]
     return inspect.Signature([*leading, *options])
