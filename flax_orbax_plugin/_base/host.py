@@ -94,8 +94,7 @@ except ImportError:  # pragma: no cover - other numpy layouts
 
 
 def empty(shape, dtype) -> np.ndarray:
-    """An uninitialised C-contiguous array aligned to 64 bytes, to a page from 64 KiB on
-    (direct I/O reads and writes it in place)."""
+    """An uninitialised C-contiguous array aligned to 64 bytes, to a page from 64 KiB on."""
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     align = PAGE if nbytes >= 1 << 16 else ALIGNMENT

@@ -40,16 +40,14 @@ def keywords_taken(fn: Callable) -> frozenset[str] | None:
 
 
 def unknown_keywords(owner: str, given: Iterable[str], takes: Iterable[str]) -> TypeError:
-    """The TypeError of a call of ``owner`` given keywords it does not take (each with
-    the one meant), listing those it takes."""
+    """The TypeError of ``owner`` given keywords it does not take, listing those it takes."""
     takes = set(takes)
     lines = "; ".join(unexpected(owner, k, takes) for k in given if k not in takes)
     return TypeError(f"{lines} (its keywords: {', '.join(sorted(takes))})")
 
 
 def checked(fn: Callable, owner: str) -> Callable:
-    """``fn`` refusing a keyword it does not take (:func:`unknown_keywords`, naming
-    ``owner``); ``fn`` itself where it takes ``**kwargs`` or is checked already."""
+    """``fn`` refusing keywords it does not take (itself if it takes ``**kwargs`` or is checked)."""
     if getattr(fn, "_fop_named", False):
         return fn
     takes = keywords_taken(fn)
@@ -138,8 +136,7 @@ def with_defaults(declared: Iterable[Option], given: Mapping[str, Any]) -> dict[
 def signature(
     leading: Iterable[inspect.Parameter], declared: Iterable[Option]
 ) -> inspect.Signature:
-    """``leading`` (``self``, ``directory``...), then every declared option as a
-    keyword-only parameter with its default and type."""
+    """``leading``, then every declared option as a keyword-only parameter."""
     keyword_only = inspect.Parameter.KEYWORD_ONLY
     options = [
         inspect.Parameter(o.name, keyword_only, default=o.default, annotation=o.type_text)

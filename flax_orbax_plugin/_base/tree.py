@@ -68,8 +68,7 @@ def _is_leaf(x: Any) -> bool:
 
 
 def empty_kind(x: Any) -> str:
-    """The record kind of an empty node: ``empty_list`` for plain lists and tuples,
-    ``empty_dict`` for the rest (as :func:`rebuild` makes lists and dicts)."""
+    """``empty_list`` for plain lists and tuples, ``empty_dict`` for the rest (as rebuilt)."""
     if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
         return "empty_list"
     return "empty_dict"

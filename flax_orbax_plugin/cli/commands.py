@@ -325,8 +325,7 @@ def _writer_now(loc: Location) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class GcPlan:
-    """Names ``gc`` would remove (``unfinished`` entries, committed ``steps``, the
-    ``exports`` that died left), the steps it would keep, the entries it leaves alone."""
+    """What ``gc`` would remove, keep and leave alone (``exports``: what dead exports left)."""
 
     unfinished: list[str]
     steps: list[int]

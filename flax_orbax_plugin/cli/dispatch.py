@@ -173,8 +173,7 @@ def _copy(read_end: int, out: int) -> None:
 
 
 def _keep(line: bytes, out: int, dropping: bool) -> bool:
-    """Writes ``line`` unless it is (or continues) an AWS line; returns whether the
-    next continuation line is dropped."""
+    """Writes ``line`` unless it is (or continues) an AWS line; whether the next is dropped."""
     aws = is_aws_line(line)
     if aws is None:
         aws = dropping

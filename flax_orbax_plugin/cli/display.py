@@ -44,8 +44,7 @@ def _console() -> Console:
 
 
 class ByteProgress:
-    """A bar of ``total`` bytes on stderr when it is a terminal, else silent: a context
-    manager with ``advance(nbytes, note)`` (the ``progress=`` protocol)."""
+    """A bar of ``total`` bytes on stderr (a terminal only): the ``progress=`` protocol."""
 
     def __init__(self, total: int, label: str):
         console = _console()

@@ -105,8 +105,7 @@ def step_items(step_loc: Location) -> list[Item]:
 
 
 def dir_bytes(loc: Location) -> int | None:
-    """Bytes stored under ``loc``: a local walk or a store's listing; None where
-    neither can be had (no client installed, a listing refused)."""
+    """Bytes stored under ``loc`` (a local walk or a store's listing), or None."""
     if loc.is_local:
         return loc.size_bytes()
     copier, _ = _server_copy.copier_for(loc)

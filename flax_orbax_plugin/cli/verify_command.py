@@ -92,8 +92,7 @@ def _run_steps(loc: Location, args) -> tuple[list[int], dict[int, str]]:
 def _verify_each_step(
     loc: Location, steps: list[int], shut: dict[int, str], limit: int | None
 ) -> tuple[list, list[dict[str, Any]]]:
-    """``verify`` of each step by its own path: one that cannot be read (not damage) is
-    reported and the others still checked."""
+    """``verify`` of each step by its own path; one that cannot be read is reported, not damage."""
     results, unreadable = [], []
     for step in steps:
         where = str(_steps.step_location(loc, step))
