@@ -38,9 +38,9 @@ from .._manager.retention import Retention, sound_steps_to_delete
 from .._storage import lease as _lease
 from .._storage.location import Location
 from .._storage.lock import live_holder
-from . import display, json_output
+from . import display
 from .display import byte_progress, make_table, status
-from .output import CliError, human_bytes, one_line, shell_word
+from .output import CliError, emit, human_bytes, one_line, shell_word
 from .paths import JSON_KINDS, names_one, read_json_item, resolve
 
 
@@ -70,7 +70,7 @@ def cmd_inspect(args) -> int:
         ]
         display.leaves_figure(label, bars, args.plot)
     if args.json:
-        json_output.emit({"path": label, "items": described, "total_bytes": grand_total})
+        emit({"path": label, "items": described, "total_bytes": grand_total})
         return 0
     if args.plot and not args.summary:
         print(f"wrote {args.plot} ({label}: {human_bytes(grand_total)} of arrays)")
@@ -292,7 +292,7 @@ def _gc_with_writer(loc: Location, args, exports: list[str]) -> tuple[list, list
 
 def _report_gc(loc: Location, args, unfinished, removed, kept, left) -> None:
     if args.json:
-        json_output.emit(
+        emit(
             {
                 "directory": str(loc),
                 "dry_run": bool(args.dry_run),

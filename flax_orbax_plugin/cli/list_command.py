@@ -12,9 +12,9 @@ from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE
 from .._storage.location import Location
-from . import display, json_output
+from . import display
 from .display import make_table
-from .output import CliError, human_bytes, iso_time, one_line, shell_word
+from .output import CliError, emit, human_bytes, iso_time, one_line, shell_word
 from .paths import describe_missing, dir_bytes, load_extras
 
 
@@ -99,7 +99,7 @@ def _list_data(loc: Location, args) -> int:
         ]
         display.saves_figure(str(directory), saves, args.plot)
     if args.json:
-        json_output.emit(
+        emit(
             {
                 "directory": str(directory),
                 "steps": [{k: v for k, v in r.items() if k[0] != "_"} for r in records],

@@ -10,9 +10,8 @@ from .._core.verify import verify
 from .._errors import CheckpointError, CheckpointNotFoundError, OptionError
 from .._format import steps as _steps
 from .._storage.location import Location
-from . import json_output
 from .display import byte_progress
-from .output import EXIT_DAMAGED, EXIT_ERROR, CliError, one_line
+from .output import EXIT_DAMAGED, EXIT_ERROR, CliError, emit, one_line
 
 
 def cmd_verify(args) -> int:
@@ -116,4 +115,4 @@ def _verify_json(path: str, results: list[dict[str, Any]], *, unreadable: int = 
     doc = {"path": path, "ok": not bad, "damaged": bad - unreadable, "results": results}
     if unreadable:  # steps that could not be read (an environment error, not damage)
         doc["unreadable"] = unreadable
-    json_output.emit(doc)
+    emit(doc)
