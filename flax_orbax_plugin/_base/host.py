@@ -119,10 +119,9 @@ COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def copy_all(pairs: list[tuple]) -> None:
-    """``np.copyto(dst, src)`` for every (dst, src) of ``pairs``, in pieces of at most
-    :data:`COPY_PIECE` bytes on up to :data:`COPY_THREADS` threads (memory bandwidth,
-    not one core's); an item (dst, src, copier) is copied whole by ``copier(dst, src)``.
-    Returns when every copy is done; the first error is raised."""
+    """``np.copyto(dst, src)`` for every (dst, src) of ``pairs``, in :data:`COPY_PIECE` pieces
+    on :data:`COPY_THREADS` threads (memory bandwidth, not one core's); an item (dst, src,
+    copier) is copied whole by ``copier``. Returns when all are done; the first error raised."""
     jobs: list[tuple] = []
     for dst, src, *copier in pairs:
         if copier or dst.nbytes <= COPY_PIECE or src.ndim == 0 or src.shape[0] < 2:

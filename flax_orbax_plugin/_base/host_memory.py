@@ -121,10 +121,9 @@ def largest_row(tree: Any) -> tuple[int, str]:
 
 
 def save_budget(given: int | str | None, items: Any, incremental: bool) -> tuple[Any, Any]:
-    """``(ceiling, budget)`` of one save of ``items`` under ``given``: the ceiling in bytes
-    now (None: no bound) and the budget the save streams under (the ceiling; under
-    ``"auto"`` only when this process's share does not fit, never for an ``incremental``
-    step). OptionError, before anything is written, for a ceiling below the largest row."""
+    """``(ceiling, budget)`` of one save of ``items`` under ``given``: the ceiling in bytes now
+    (None: no bound), the budget the save streams under (under ``"auto"`` only when this
+    process's share does not fit, never ``incremental``); OptionError below the largest row."""
     ceiling = resolve(given)
     if ceiling is None:
         return None, None
@@ -181,9 +180,8 @@ HOST_MEMORY_BUDGET = Option(  # fop.save's, and the manager's host_memory by its
 
 
 def take_old_name(given: Mapping[str, Any], owner: str = "") -> dict[str, Any]:
-    """``given`` (a manager's options) with ``host_memory_budget=``, the earlier name,
-    checked and turned into ``host_memory=`` with a DeprecationWarning (both given: an
-    OptionError). ``owner``: the words before the name in messages."""
+    """A manager's options ``given`` with ``host_memory_budget=`` (the earlier name) checked and
+    turned into ``host_memory=``, with a DeprecationWarning; ``owner``: the messages' prefix."""
     old = HOST_MEMORY_BUDGET.name
     if old not in given:
         return dict(given)

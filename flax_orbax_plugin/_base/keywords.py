@@ -72,9 +72,8 @@ def refuse_unknown(
     hints: Mapping[str, str] | None = None,
     inside: tuple[str, Iterable[Option]] | None = None,
 ) -> None:
-    """TypeError naming each keyword of ``given`` no option of ``declared`` takes, with its
-    likely meaning: an alias's option, ``hints[name]``, an option of the dict option
-    ``inside = (option, declared)``, else the closest spelling."""
+    """TypeError naming each keyword of ``given`` no option of ``declared`` takes, with its likely
+    meaning: an alias's option, ``hints[name]``, one of ``inside``'s, else the closest spelling."""
     declared = tuple(declared)
     names = {o.name for o in declared}
     unknown = [name for name in given if name not in names]

@@ -265,9 +265,8 @@ def _refuse_other_places(loc: Location, found) -> None:
             raise CliError(f"{where}: gc removes nothing here")
     if (other := _foreign.foreign_run(loc)) is not None:
         raise CliError(
-            f"{loc} holds {other}, no step of this library: gc removes only this library's "
-            f"steps (`flax-orbax import {shell_word(loc)} OUT` converts it into steps of this "
-            f"library)"
+            f"{loc} holds {other}, no step of this library: gc removes only this library's steps "
+            f"(`flax-orbax import {shell_word(loc)} OUT` converts it)"
         )
 
 
@@ -335,9 +334,8 @@ class GcPlan:
 
 
 def gc_plan(loc: Location, *, keep: int | None, keep_every: int | None) -> GcPlan:
-    """What ``gc --keep keep --keep-every keep_every`` would do to ``loc`` now, found by
-    reading only: the rules of the writer's housekeeping and retention asked without a
-    writer (no lock, nothing written or removed; a test compares their answers)."""
+    """What ``gc`` would do to ``loc`` now, by reading only: the writer's housekeeping and
+    retention rules asked without a writer (no lock; a test compares their answers)."""
     listing = _steps.list_directory(loc)
     finishing = [n for n in listing.unfinished if rolls_forward(loc, n, listing)]
     unfinished = [n for n in listing.unfinished if n not in finishing and _proven(loc.child(n))]

@@ -38,7 +38,6 @@ _WIDE = 10_000  # a table on a pipe is never wrapped
 
 
 def _console() -> Console:
-    """stderr's console (a pipe's never wraps)."""
     terminal = bool(getattr(sys.stderr, "isatty", lambda: False)())
     return Console(file=sys.stderr, width=None if terminal else _WIDE, highlight=False)
 
@@ -161,11 +160,8 @@ def leaves_figure(title: str, bars: list[Bar], path: str) -> None:
     ax = fig.add_subplot()
     colours = {item: f"C{i % 10}" for i, item in enumerate(items)}
     rows = list(reversed(shown))
-    ax.barh(
-        [b.label for b in rows],
-        [b.nbytes for b in rows],
-        color=[colours[b.item] for b in rows],
-    )
+    colour_of_row = [colours[b.item] for b in rows]
+    ax.barh([b.label for b in rows], [b.nbytes for b in rows], color=colour_of_row)
     for item in items:
         ax.bar(0, 0, color=colours[item], label=item)  # a legend entry per item
     sizes = [b.nbytes for b in shown if b.nbytes > 0]

@@ -1,10 +1,8 @@
-"""The ``flax-orbax`` parser and entry point: errors as one line on stderr and an exit
-status (1: damage found by ``verify``, 3: an object store refused, 2: anything else); a
-shell's command (``main()`` without ``argv``): a stdout whose reader may go away, SIGTERM
-taken as an interruption.
-
-The standard library only (``--help`` answers at once); ``main`` loads the commands (JAX:
-seconds) only after :func:`check_usage` passed (the commands do not check that again).
+"""The ``flax-orbax`` parser and entry point: errors as one line and an exit status (1:
+damage found by ``verify``, 3: an object store refused, 2: anything else); from a shell, a
+stdout whose reader may go away, SIGTERM as an interruption. The standard library only
+(``--help`` is instant); the commands (JAX) load after :func:`check_usage` passed and do
+not check that again.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin.cli.main``.
 """
@@ -12,6 +10,7 @@ Design notes: ``docs/internals.md``, section ``flax_orbax_plugin.cli.main``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -373,10 +372,8 @@ class Interrupts:
     def _exit_too_late(self) -> None:
         code = self._too_late()
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-            except (OSError, ValueError):
-                pass
         os._exit(code)  # the work is done and its output flushed: nothing left to run
 
 
