@@ -160,8 +160,8 @@ def copy_checksum_phases(mib: int, repeats: int) -> dict:
     threads, as ``ChunkWriter`` did) against one pass (``copy_with_crcs`` pieces)."""
     import functools
 
-    from flax_orbax_plugin._base import buffer_pool
     from flax_orbax_plugin._base import host as H
+    from flax_orbax_plugin._base import host_memory as buffer_pool
     from flax_orbax_plugin._zarr import chunks as C
     from flax_orbax_plugin._zarr import chunks as Z
 

@@ -44,8 +44,8 @@ def step_after(state, step, x, repeats: int) -> dict:
     import jax
     import numpy as np
 
-    from flax_orbax_plugin._base import buffer_pool
     from flax_orbax_plugin._base import host as H
+    from flax_orbax_plugin._base import host_memory as buffer_pool
 
     pool = buffer_pool.BufferPool()
     out: dict[str, list[float]] = {"nothing held": [], "views held": [], "pooled copy": []}

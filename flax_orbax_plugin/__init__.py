@@ -114,8 +114,7 @@ _OWN_MODULE = {"restore_params": "._reading.restore"}
 
 
 def __getattr__(name: str):
-    """A public name, imported on its first use (PEP 562) with all the others (serving's
-    ``restore_params`` alone: see ``_OWN_MODULE``)."""
+    """A public name, imported on its first use (PEP 562) with the others (but ``_OWN_MODULE``)."""
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     # A Ctrl-C while JAX imports (seconds) was dropped by its garbage-collection

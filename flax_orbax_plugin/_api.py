@@ -1,7 +1,5 @@
-"""The public names of ``flax_orbax_plugin``, imported eagerly (JAX, tensorstore and
-every wing: seconds). Loaded by the package's ``__init__`` on the first access of a
-public name (PEP 562); nothing else imports it.
-"""
+"""The public names of ``flax_orbax_plugin``, imported eagerly (JAX, tensorstore: seconds);
+loaded by the package's ``__init__`` on the first access of a public name (PEP 562)."""
 
 # ruff: noqa: F401  (every import here is a re-export, through the package)
 

@@ -68,12 +68,8 @@ class Option:
     def _derived_words(self) -> str:
         if self.kind == "choice":
             text = "one of " + ", ".join(repr(c) for c in self.choices)
-        elif self.kind == "flag":
-            text = "True or False"
-        elif self.kind == "str":
-            text = "a non-empty str"
-        elif self.kind == "callable":
-            text = "a callable"
+        elif self.kind in _WORDS:
+            text = _WORDS[self.kind]
         else:
             noun = "an int" if self.kind == "int" else "a finite number"
             bounds = []
@@ -169,6 +165,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
+_WORDS = {"flag": "True or False", "str": "a non-empty str", "callable": "a callable"}
 _PLAIN = {"int": operator.index, "number": float, "flag": bool, "choice": _plain}
 _ANNOTATIONS = {
     "int": "int",
@@ -180,8 +177,7 @@ _ANNOTATIONS = {
 
 
 def check(declared: Iterable[Option], values: Mapping[str, Any]) -> dict[str, Any]:
-    """Every option of ``declared`` present in ``values`` checked, by its name:
-    ``{name: checked value}``; the first bad one raises OptionError naming it."""
+    """``{name: checked value}`` of the options of ``declared`` present in ``values``."""
     out = {}
     for option in declared:
         if option.name in values:
@@ -194,46 +190,39 @@ def flag(name: str, value: Any) -> bool:
     return Option(name, "flag").check(value)
 
 
-def _point(name: str, what: str, *, with_errno: bool = False) -> tuple[Option, None]:
-    """A test hook's variable (``phase[:N]``, and ``:ERRNO`` ``with_errno``), unset by
-    default; ``what``: the words of its messages."""
+def _point(
+    name: str, what: str, *, hit: str = "its N-th hit", with_errno: bool = False
+) -> tuple[Option, None]:
+    """A test hook's variable, unset by default: a ``what`` point's phase and hit count."""
+    syntax = f"'phase' or 'phase:N' ({hit}, N >= 1)"
+    if with_errno:
+        syntax = "'phase', 'phase:N' or 'phase:N:ERRNO' (N >= 1, ERRNO an errno name such as EIO)"
     convert = lambda t: fault_spec(t, with_errno=with_errno)
-    return Option(name, "custom", convert=convert, expected=what), None
+    return Option(name, "custom", convert=convert, expected=f"a {what} point: {syntax}"), None
+
+
+def _seconds(
+    name: str,
+    default: float,
+    *,
+    low: float,
+    high: float = threading.TIMEOUT_MAX,
+    above: bool = False,
+) -> tuple[Option, float]:
+    """A variable of seconds; its words name ``high`` only where it is below Python's own."""
+    words = f"a number of seconds {'>' if above else '>='} {low:g}"
+    words += f" and <= {high:g}" if high < threading.TIMEOUT_MAX else ""
+    option = Option(name, "number", low=low, high=high, low_open=above, expected=words)
+    return option, default
 
 
 VARIABLES: dict[str, tuple[Option, Any]] = {
     "FOP_BACKGROUND_NICE": (Option("FOP_BACKGROUND_NICE", "int", low=0, high=19), 0),
-    "FOP_COORDINATION_TIMEOUT_S": (
-        Option(
-            "FOP_COORDINATION_TIMEOUT_S",
-            "number",
-            low=0,
-            low_open=True,
-            high=threading.TIMEOUT_MAX,
-            expected="a number of seconds > 0",
-        ),
-        300.0,
-    ),
-    "FOP_PEER_SILENT_S": (  # _base.regions: a process silent this long is dead
-        Option(
-            "FOP_PEER_SILENT_S",
-            "number",
-            low=0.5,
-            high=3600,
-            expected="a number of seconds >= 0.5 and <= 3600",
-        ),
-        10.0,
-    ),
-    "FOP_LATE_REPORT_S": (  # _base.regions: a wait this long names the late processes
-        Option(
-            "FOP_LATE_REPORT_S",
-            "number",
-            low=0.5,
-            high=threading.TIMEOUT_MAX,
-            expected="a number of seconds >= 0.5",
-        ),
-        10.0,
-    ),
+    "FOP_COORDINATION_TIMEOUT_S": _seconds("FOP_COORDINATION_TIMEOUT_S", 300.0, low=0, above=True),
+    # _base.regions: a process silent this long is dead
+    "FOP_PEER_SILENT_S": _seconds("FOP_PEER_SILENT_S", 10.0, low=0.5, high=3600),
+    # _base.regions: a wait this long names the late processes
+    "FOP_LATE_REPORT_S": _seconds("FOP_LATE_REPORT_S", 10.0, low=0.5),
     "FOP_DIRECT_IO": (Option("FOP_DIRECT_IO", "choice", choices=("0", "1")), "1"),
     # _base.host: a save or restore under Pathways (single controller): refused
     "FOP_PATHWAYS": (Option("FOP_PATHWAYS", "choice", choices=("refuse", "allow")), "refuse"),
@@ -242,29 +231,12 @@ VARIABLES: dict[str, tuple[Option, Any]] = {
     # _storage.contexts: retries of an object store request (0.5 s doubling to 10 s)
     "FOP_STORE_RETRIES": (Option("FOP_STORE_RETRIES", "int", low=0, high=100), 8),
     "FOP_TIER_RETRY_DELAY_S": (Option("FOP_TIER_RETRY_DELAY_S", "number", low=0, high=60), 0.5),
-    "FOP_KILL_AT": _point(
-        "FOP_KILL_AT", "a kill point: 'phase' or 'phase:N' (its N-th hit, N >= 1)"
-    ),
-    "FOP_PAUSE_AT": _point(
-        "FOP_PAUSE_AT", "a pause point: 'phase' or 'phase:N' (its N-th hit, N >= 1)"
-    ),
-    "FOP_SLOW_AT": _point(
-        "FOP_SLOW_AT", "a slow point: 'phase' or 'phase:N' (from its N-th hit, N >= 1)"
-    ),
-    "FOP_SLOW_S": (
-        Option("FOP_SLOW_S", "number", low=0, high=3600, expected="seconds >= 0 and <= 3600"),
-        1.0,
-    ),
-    "FOP_PAUSE_S": (
-        Option("FOP_PAUSE_S", "number", low=0, high=3600, expected="seconds >= 0 and <= 3600"),
-        2.0,
-    ),
-    "FOP_FAIL_AT": _point(
-        "FOP_FAIL_AT",
-        "a fail point: 'phase', 'phase:N' or 'phase:N:ERRNO' (N >= 1, ERRNO an errno name such "
-        "as EIO)",
-        with_errno=True,
-    ),
+    "FOP_KILL_AT": _point("FOP_KILL_AT", "kill"),
+    "FOP_PAUSE_AT": _point("FOP_PAUSE_AT", "pause"),
+    "FOP_SLOW_AT": _point("FOP_SLOW_AT", "slow", hit="from its N-th hit"),
+    "FOP_SLOW_S": _seconds("FOP_SLOW_S", 1.0, low=0, high=3600),
+    "FOP_PAUSE_S": _seconds("FOP_PAUSE_S", 2.0, low=0, high=3600),
+    "FOP_FAIL_AT": _point("FOP_FAIL_AT", "fail", with_errno=True),
 }
 """name -> (declaration, default)."""
 
@@ -300,8 +272,7 @@ class InjectedFault(OSError):
 
 
 def _reached(variable: str, phase: str, key: str) -> FaultSpec | None:
-    """The spec in ``variable`` (checked by :func:`read`) when ``phase`` is named there and
-    this is its Nth hit."""
+    """The spec in ``variable`` when it names ``phase`` and this is its Nth hit."""
     spec = read(variable)
     if spec is None or spec.phase != phase:
         return None

@@ -1,6 +1,5 @@
-"""The syntax of the test hooks' variables (``FOP_KILL_AT``, ``FOP_FAIL_AT``,
-``FOP_PAUSE_AT``, ``FOP_SLOW_AT``): ``phase[:N[:ERRNO]]``, parsed when one is set. Any
-thread.
+"""The syntax of the test hooks' variables (``FOP_KILL_AT`` and its kin):
+``phase[:N[:ERRNO]]``, parsed when one is set. Any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.env``.
 """

@@ -94,8 +94,7 @@ except ImportError:  # pragma: no cover - other numpy layouts
 
 
 def empty(shape, dtype) -> np.ndarray:
-    """An uninitialised C-contiguous array aligned to 64 bytes, to a page from 64 KiB on
-    (direct I/O reads and writes it in place)."""
+    """An uninitialised C-contiguous array aligned to 64 bytes, to a page from 64 KiB on."""
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     align = PAGE if nbytes >= 1 << 16 else ALIGNMENT
@@ -110,7 +109,6 @@ def empty(shape, dtype) -> np.ndarray:
 
 
 def copy(array: np.ndarray) -> np.ndarray:
-    """An aligned copy of ``array``."""
     out = empty(array.shape, array.dtype)
     np.copyto(out, array)
     return out
@@ -121,10 +119,9 @@ COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def copy_all(pairs: list[tuple]) -> None:
-    """``np.copyto(dst, src)`` for every (dst, src) of ``pairs``, in pieces of at most
-    :data:`COPY_PIECE` bytes on up to :data:`COPY_THREADS` threads (memory bandwidth,
-    not one core's); an item (dst, src, copier) is copied whole by ``copier(dst, src)``.
-    Returns when every copy is done; the first error is raised."""
+    """``np.copyto(dst, src)`` for every (dst, src) of ``pairs``, in :data:`COPY_PIECE` pieces
+    on :data:`COPY_THREADS` threads (memory bandwidth, not one core's); an item (dst, src,
+    copier) is copied whole by ``copier``. Returns when all are done; the first error raised."""
     jobs: list[tuple] = []
     for dst, src, *copier in pairs:
         if copier or dst.nbytes <= COPY_PIECE or src.ndim == 0 or src.shape[0] < 2:
@@ -220,9 +217,7 @@ def detected() -> str | None:
         return f"jax_platforms is {platforms!r}"
     bridge = sys.modules.get("jax._src.xla_bridge")  # only a backend already made
     backends = getattr(bridge, "_backends", None) or {}
-    if PROXY in backends:
-        return "the proxy backend is initialised"
-    return None
+    return "the proxy backend is initialised" if PROXY in backends else None
 
 
 def refuse_if_detected(operation: str) -> None:
@@ -231,8 +226,7 @@ def refuse_if_detected(operation: str) -> None:
     if how is None or _env.read("FOP_PATHWAYS") == "allow":
         return
     raise UnsupportedRuntimeError(
-        f"{operation}: Pathways (single-controller JAX) detected ({how}): flax_orbax_plugin"
-        f" needs each host's own process (multi-controller JAX). Run one process per host, or"
-        f" Orbax with pathwaysutils under Pathways; FOP_PATHWAYS=allow runs it anyway"
-        f" (untested: every shard passes through the controller's host memory)"
+        f"{operation}: Pathways (single-controller JAX) detected ({how}): run one process per"
+        f" host (multi-controller JAX), or Orbax with pathwaysutils; FOP_PATHWAYS=allow runs"
+        f" it anyway (untested: every shard passes through the controller's host memory)"
     )

@@ -1,21 +1,31 @@
-"""The host-memory ceiling: its options declared and checked, what it allows when an
-operation starts (:func:`resolve`), a manager's save budget under it (:func:`save_budget`).
+"""Host memory: the ceiling (its options declared and checked, what it allows when an
+operation starts: :func:`resolve`, a manager's save budget under it: :func:`save_budget`)
+and a manager's snapshot buffers reused from one save to the next (:class:`BufferPool`).
 
-Pure functions over frozen declarations (they read ``/proc`` and ``/sys``); any thread.
+Pure functions over frozen declarations (they read ``/proc`` and ``/sys``), any thread;
+:class:`BufferPool` is locked.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._base.host``.
 """
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import math
+import mmap
+import sys
+import threading
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from .._errors import OptionError
 from . import tree as _tree
 from .env import INT64_MAX, Option, check, found
+from .host import PAGE, empty
 from .keywords import refuse_without
 from .shown import outside_stacklevel
 
@@ -71,8 +81,7 @@ def resolve(ceiling: int | str | None) -> int | None:
 
 
 def _shards(leaf: Any) -> list[tuple[tuple[int, ...], int]]:
-    """``[(shape, itemsize)]`` of the pieces of ``leaf`` this process holds (a jax
-    array's addressable shards from their indices, a numpy array whole)."""
+    """``[(shape, itemsize)]`` of the pieces of ``leaf`` this process holds."""
     dtype = getattr(leaf, "dtype", None)
     shape = getattr(leaf, "shape", None)
     if dtype is None or shape is None or not hasattr(dtype, "itemsize"):
@@ -112,10 +121,9 @@ def largest_row(tree: Any) -> tuple[int, str]:
 
 
 def save_budget(given: int | str | None, items: Any, incremental: bool) -> tuple[Any, Any]:
-    """``(ceiling, budget)`` of one save of ``items`` under ``given``: the ceiling in bytes
-    now (None: no bound) and the budget the save streams under (the ceiling; under
-    ``"auto"`` only when this process's share does not fit, never for an ``incremental``
-    step). OptionError, before anything is written, for a ceiling below the largest row."""
+    """``(ceiling, budget)`` of one save of ``items`` under ``given``: the ceiling in bytes now
+    (None: no bound), the budget the save streams under (under ``"auto"`` only when this
+    process's share does not fit, never ``incremental``); OptionError below the largest row."""
     ceiling = resolve(given)
     if ceiling is None:
         return None, None
@@ -125,17 +133,15 @@ def save_budget(given: int | str | None, items: Any, incremental: bool) -> tuple
     if row > ceiling:
         shown = given if isinstance(given, int) else repr(AUTO)
         raise OptionError(
-            f"host_memory={shown}: a save under a ceiling of {ceiling} bytes copies at least "
-            f"one row of a leaf at a time, and a row of leaf {path!r} holds {row} bytes; "
-            f"nothing was written: raise host_memory to at least {row}, or give "
-            f"host_memory=None (no bound)"
+            f"host_memory={shown}: a save copies at least one row at a time, a row of leaf "
+            f"{path!r} holds {row} bytes, over the ceiling of {ceiling} bytes; nothing was "
+            f"written: raise host_memory to at least {row}, or give host_memory=None"
         )
     return ceiling, ceiling
 
 
 def check_ceiling(value: Any) -> int | str | None:
-    """``value`` if it is a ceiling (a positive int64 of bytes, ``"auto"`` or None); else
-    ValueError / TypeError in an option message's words."""
+    """``value`` if it is a ceiling (bytes, ``"auto"`` or None); else ValueError / TypeError."""
     if value is None or value == AUTO:
         return value
     if isinstance(value, bool) or not isinstance(value, int):
@@ -174,9 +180,8 @@ HOST_MEMORY_BUDGET = Option(  # fop.save's, and the manager's host_memory by its
 
 
 def take_old_name(given: Mapping[str, Any], owner: str = "") -> dict[str, Any]:
-    """``given`` (a manager's options) with ``host_memory_budget=``, the earlier name,
-    checked and turned into ``host_memory=`` with a DeprecationWarning (both given: an
-    OptionError). ``owner``: the words before the name in messages."""
+    """A manager's options ``given`` with ``host_memory_budget=`` (the earlier name) checked and
+    turned into ``host_memory=``, with a DeprecationWarning; ``owner``: the messages' prefix."""
     old = HOST_MEMORY_BUDGET.name
     if old not in given:
         return dict(given)
@@ -191,9 +196,7 @@ def take_old_name(given: Mapping[str, Any], owner: str = "") -> dict[str, Any]:
         DeprecationWarning,
         stacklevel=outside_stacklevel(),
     )
-    out = {k: v for k, v in given.items() if k != old}
-    out["host_memory"] = value
-    return out
+    return {k: v for k, v in given.items() if k != old} | {"host_memory": value}
 
 
 def refuse_idle(out: Mapping[str, Any]) -> None:
@@ -212,3 +215,109 @@ def refuse_idle(out: Mapping[str, Any]) -> None:
         "save streams, CPU arrays are written from their own memory)",
         default=False,
     )
+
+
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
+
+
+def _load_madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _load_madvise()
+
+
+def populate(buffer: np.ndarray) -> bool:
+    """Makes every page of ``buffer`` (C-contiguous, page-aligned) resident and writable
+    now; whether ``madvise(MADV_POPULATE_WRITE)`` did it (else one byte written per page)."""
+    flat = buffer.reshape(-1).view(np.uint8)
+    address, length = flat.ctypes.data, flat.size - flat.size % PAGE
+    if _madvise is not None and length and address % PAGE == 0:
+        if _madvise(address, length, MADV_POPULATE_WRITE) == 0:
+            return True
+    flat[::PAGE] = 0  # an older kernel (EINVAL): a write fault per page
+    return False
+
+
+class BufferPool:
+    """The buffers of the last save that gave them back (``reuse_host_buffers=True``): a
+    fresh buffer costs its page faults (about 0.6 s per GB), one touched before only the copy.
+
+    Call order: :meth:`empty` from the blocking phase (training thread), :meth:`give_back`
+    from the background write once nothing reads them; one lock guards the free lists.
+    """
+
+    MIN_BYTES = 1 << 16  # smaller buffers come from malloc's heap cheaply anyway
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._free: dict[int, list[np.ndarray]] = {}
+        self.allocated = 0  # buffers of MIN_BYTES or more made fresh by empty()
+        self.reused = 0  # buffers empty() took from the free lists
+
+    def reserve(self, sizes: list[int]) -> int:
+        """Makes the free lists hold one populated buffer per byte size of ``sizes`` (one
+        save's, ``_core.pool_sizes``); returns the bytes newly allocated. Call with no
+        save in flight (the training thread)."""
+        want = collections.Counter(n for n in sizes if n >= self.MIN_BYTES)
+        made = 0
+        with self._lock:
+            free = {n: list(a) for n, a in self._free.items()}
+        for n, count in want.items():
+            have = free.setdefault(n, [])
+            while len(have) < count:
+                raw = empty((n,), np.uint8)
+                populate(raw)
+                have.append(raw)
+                made += n
+        with self._lock:
+            self._free = free
+        return made
+
+    def empty(self, shape, dtype) -> np.ndarray:
+        """As :func:`empty`, from the pool when a given-back buffer has the size."""
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        raw = None
+        if nbytes >= self.MIN_BYTES:
+            with self._lock:
+                free = self._free.get(nbytes)
+                if free:
+                    raw = free.pop()
+                    self.reused += 1
+                else:
+                    self.allocated += 1
+        if raw is None:
+            raw = empty((nbytes,), np.uint8)
+        return raw.view(dtype).reshape(shape)
+
+    def copy(self, array: np.ndarray) -> np.ndarray:
+        out = self.empty(array.shape, array.dtype)
+        np.copyto(out, array)
+        return out
+
+    def give_back(self, arrays) -> None:
+        """Makes ``arrays`` (no longer read) the free buffers: one save's worth at most."""
+        free: dict[int, list[np.ndarray]] = {}
+        for a in arrays:
+            if a.nbytes >= self.MIN_BYTES and a.flags.c_contiguous:
+                free.setdefault(a.nbytes, []).append(a.reshape(-1).view(np.uint8))
+        with self._lock:
+            self._free = free
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free = {}
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(a.nbytes for free in self._free.values() for a in free)

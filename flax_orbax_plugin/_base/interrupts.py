@@ -25,9 +25,8 @@ class Held:
 
 @contextlib.contextmanager
 def deferred_sigint() -> Iterator[Held]:
-    """Runs the block with SIGINT recorded, then puts the previous handler back and runs it
-    once, here, if a SIGINT arrived. Yields the :class:`Held` (no deferral off the main
-    thread or under a handler installed outside Python)."""
+    """The block with SIGINT recorded, then the previous handler back, run here if one came;
+    yields the :class:`Held` (no deferral off the main thread or under a non-Python handler)."""
     held = Held()
     if threading.current_thread() is not threading.main_thread():
         yield held

@@ -1,7 +1,5 @@
-"""The keywords an entry is given, as a whole (one option's value is ``_base.env``'s):
-"did you mean" for one it does not take, an option that does nothing in the chosen mode,
-the declared defaults; and the declarations as a reader sees them (a signature for
-``help()``, docstring lines, the docs' table).
+"""The keywords an entry is given, as a whole (one option's value is ``_base.env``'s),
+and the declarations as a reader sees them (a signature, docstring lines, the docs' table).
 
 Pure functions over frozen declarations; any thread.
 
@@ -42,16 +40,14 @@ def keywords_taken(fn: Callable) -> frozenset[str] | None:
 
 
 def unknown_keywords(owner: str, given: Iterable[str], takes: Iterable[str]) -> TypeError:
-    """The TypeError of a call of ``owner`` given keywords it does not take (each with
-    the one meant), listing those it takes."""
+    """The TypeError of ``owner`` given keywords it does not take, listing those it takes."""
     takes = set(takes)
     lines = "; ".join(unexpected(owner, k, takes) for k in given if k not in takes)
     return TypeError(f"{lines} (its keywords: {', '.join(sorted(takes))})")
 
 
 def checked(fn: Callable, owner: str) -> Callable:
-    """``fn`` refusing a keyword it does not take (:func:`unknown_keywords`, naming
-    ``owner``); ``fn`` itself where it takes ``**kwargs`` or is checked already."""
+    """``fn`` refusing keywords it does not take (itself if it takes ``**kwargs`` or is checked)."""
     if getattr(fn, "_fop_named", False):
         return fn
     takes = keywords_taken(fn)
@@ -76,10 +72,8 @@ def refuse_unknown(
     hints: Mapping[str, str] | None = None,
     inside: tuple[str, Iterable[Option]] | None = None,
 ) -> None:
-    """Raises TypeError naming each keyword of ``given`` that no option of ``declared``
-    takes, with what it most likely stands for: an option it is an alias of,
-    ``hints[name]``, an option of the dict option ``inside = (option, declared)`` (the
-    callback's ``manager_options``), else the closest spelling."""
+    """TypeError naming each keyword of ``given`` no option of ``declared`` takes, with its likely
+    meaning: an alias's option, ``hints[name]``, one of ``inside``'s, else the closest spelling."""
     declared = tuple(declared)
     names = {o.name for o in declared}
     unknown = [name for name in given if name not in names]
@@ -99,10 +93,8 @@ def refuse_unknown(
 
 
 def named_keywords(obj: Any) -> Any:
-    """``obj`` (a public function or class) with "did you mean" for an unknown keyword: a
-    function wrapped, a class's (or its nearest package base's) ``__init__`` wrapped in
-    place; exceptions and callables taking ``**kwargs`` left as they are. Applied once,
-    where the public names are bound (``_api``)."""
+    """``obj`` (a public function or class, bound in ``_api``) with "did you mean" for an
+    unknown keyword; exceptions and callables taking ``**kwargs`` left as they are."""
     if isinstance(obj, type):
         if not issubclass(obj, BaseException):
             _name_init(obj)
@@ -137,19 +129,16 @@ def refuse_without(option: str, value: Any, needs: str, *, default: Any = None) 
 
 
 def with_defaults(declared: Iterable[Option], given: Mapping[str, Any]) -> dict[str, Any]:
-    """``{name: value}`` of every declared option: ``given``'s, else its default."""
     return {o.name: given[o.name] if o.name in given else o.default for o in declared}
 
 
 def signature(
     leading: Iterable[inspect.Parameter], declared: Iterable[Option]
 ) -> inspect.Signature:
-    """``leading`` (``self``, ``directory``...), then every declared option as a
-    keyword-only parameter with its default and type."""
+    """``leading``, then every declared option as a keyword-only parameter."""
+    keyword_only = inspect.Parameter.KEYWORD_ONLY
     options = [
-        inspect.Parameter(
-            o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.type_text
-        )
+        inspect.Parameter(o.name, keyword_only, default=o.default, annotation=o.type_text)
         for o in declared
     ]
     return inspect.Signature([*leading, *options])

@@ -1,7 +1,4 @@
-"""Lists in messages, bounded (``'a', 'b' ... and 997 more``; ranges ``1, 3..999999``
-computed from the ints present), and the ``stacklevel`` of the user's own call.
-Pure functions; any thread.
-"""
+"""Bounded lists in messages, and the ``stacklevel`` of the user's own call. Any thread."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Pytree paths: a tree flattened into named leaves (``params/Dense_0/kernel``:
-``_base.key_paths``) and rebuilt from names. ``None`` and every empty node (``{}``,
-``[]``, ``()``, optax's ``EmptyState()``) are kept as leaves (jax drops them), so a saved
-tree comes back with its structure.
+"""Pytree paths: a tree flattened into named leaves and rebuilt from names; ``None`` and
+empty nodes (``{}``, ``[]``, ``EmptyState()``) kept as leaves (jax drops them). Any thread.
 """
 
 from __future__ import annotations
@@ -70,15 +68,13 @@ def _is_leaf(x: Any) -> bool:
 
 
 def empty_kind(x: Any) -> str:
-    """The record kind of an empty node: ``empty_list`` for plain lists and tuples,
-    ``empty_dict`` for the rest (as :func:`rebuild` makes lists and dicts)."""
+    """``empty_list`` for plain lists and tuples, ``empty_dict`` for the rest (as rebuilt)."""
     if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
         return "empty_list"
     return "empty_dict"
 
 
 def empty_value(kind: str) -> Any:
-    """A fresh ``{}`` or ``[]`` for a record of kind ``empty_dict`` or ``empty_list``."""
     return [] if kind == "empty_list" else {}
 
 
@@ -98,8 +94,7 @@ def encode_key(entry: Any) -> KeyEntry:
 
 
 def flatten(tree: Any) -> tuple[list[tuple[str, list[KeyEntry], Any]], Any]:
-    """Returns ``([(path, keys, leaf), ...], treedef)`` with None and empty nodes kept
-    as leaves."""
+    """``([(path, keys, leaf), ...], treedef)``."""
     try:
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
     except ValueError as e:  # jax cannot order a dict's keys: named here, by its path
@@ -128,8 +123,7 @@ def flatten(tree: Any) -> tuple[list[tuple[str, list[KeyEntry], Any]], Any]:
 
 
 def _mixed_keys(node: Any, keys: list[KeyEntry]) -> tuple[str, str] | None:
-    """(path, its keys) of the first plain dict, list or tuple below ``node`` whose dict
-    keys are of types jax cannot sort together; None if there is none."""
+    """(path, its keys) of the first dict below ``node`` whose keys jax cannot sort."""
     if isinstance(node, dict):
         if len({type(k) for k in node}) > 1:
             shown = ", ".join(repr(k) for k in list(node)[:6])
@@ -147,8 +141,7 @@ def _mixed_keys(node: Any, keys: list[KeyEntry]) -> tuple[str, str] | None:
 
 
 def rebuild(items: Iterator[tuple[list[KeyEntry], Any]]) -> Any:
-    """Nested dicts (dict and attribute keys) and lists (sequence and flattened-index
-    keys) from ``(keys, value)`` pairs (restore without ``like``)."""
+    """Nested dicts and lists from ``(keys, value)`` pairs (restore without ``like``)."""
     root: list[Any] = [None]
     for keys, value in items:
         node, slot = root, 0

@@ -16,9 +16,8 @@ import threading
 from typing import Any, Protocol
 
 from .._base import distributed as _distributed
-from .._base.buffer_pool import BufferPool
 from .._base.env import INT64_MAX, Option, check
-from .._base.host_memory import HOST_MEMORY_BUDGET
+from .._base.host_memory import HOST_MEMORY_BUDGET, BufferPool
 from .._base.keywords import refuse_without
 from .._errors import CorruptCheckpointError
 from .._format import layout as _layout

@@ -24,7 +24,7 @@ import numpy as np
 from .._base import distributed as _distributed
 from .._base import env as _env
 from .._base import host as _host
-from .._base.buffer_pool import BufferPool
+from .._base.host_memory import BufferPool
 from .._errors import CheckpointError
 from .._format import layout as _layout
 from .._format.layout import ArrayStorage, BatchRecord, BatchStorage, array_dir, batch_dir, sha256

@@ -23,10 +23,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base import buffer_pool as _buffer_pool
 from .._base import distributed as _distributed
 from .._base import env as _env
 from .._base import host as _host
+from .._base import host_memory as _host_memory
 from .._base import tree as _tree
 from .._errors import StructureError
 from .._format import layout as _layout
@@ -329,7 +329,7 @@ class Snapshot:
     format: _formats.Format
     digest: str
     batch_data: dict[str, np.ndarray | _packed_writer.Gathered]
-    pool: _buffer_pool.BufferPool | None
+    pool: _host_memory.BufferPool | None
     pooled: list[np.ndarray]  # taken from ``pool``, given back after write
     staging: _host_snapshot.Staging
     write_first: bool

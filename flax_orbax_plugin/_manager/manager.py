@@ -24,8 +24,8 @@ from typing import Any
 from .._base import distributed as _distributed
 from .._base import failures as _failures
 from .._base import host as _host
-from .._base.buffer_pool import BufferPool
 from .._base.env import Option, check, flag, found
+from .._base.host_memory import BufferPool
 from .._core import removing as _removing
 from .._core.formats import MEMORY_LIMIT
 from .._core.save import SaveHandle, SaveResult

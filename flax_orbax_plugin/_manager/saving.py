@@ -24,7 +24,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base import buffer_pool as _buffer_pool
 from .._base import distributed as _distributed
 from .._base import env as _env
 from .._base import host_memory as _host_memory
@@ -110,7 +109,7 @@ class Saver:
         opts: Any,
         book: StepBook,
         retention: RetentionRunner,
-        buffers: _buffer_pool.BufferPool | None,
+        buffers: _host_memory.BufferPool | None,
     ):
         self._loc = opts.location
         self._hf_shards = opts.hf_shards  # an fop.HFShards: its item added to due steps

@@ -38,9 +38,9 @@ from .._manager.retention import Retention, sound_steps_to_delete
 from .._storage import lease as _lease
 from .._storage.location import Location
 from .._storage.lock import live_holder
-from . import json_output, plot
+from . import display
 from .display import byte_progress, make_table, status
-from .output import CliError, human_bytes, one_line, shell_word
+from .output import CliError, emit, human_bytes, one_line, shell_word
 from .paths import JSON_KINDS, names_one, read_json_item, resolve
 
 
@@ -58,19 +58,19 @@ def _sharding_str(sharding: Any) -> str:
 
 def cmd_inspect(args) -> int:
     if args.plot:
-        plot.check_output(args.plot)
+        display.check_output(args.plot)
     label, items = resolve(args.path, args.step, args.item)
     described = [_describe_item(item) for item in items]
     grand_total = sum(d.get("total_bytes", 0) for d in described)
     if args.plot:
         bars = [
-            plot.Bar(f"{d['name']}/{leaf['path']}", d["name"], leaf["bytes"])
+            display.Bar(f"{d['name']}/{leaf['path']}", d["name"], leaf["bytes"])
             for d in described
             for leaf in d.get("leaves", ())
         ]
-        plot.leaves_figure(label, bars, args.plot)
+        display.leaves_figure(label, bars, args.plot)
     if args.json:
-        json_output.emit({"path": label, "items": described, "total_bytes": grand_total})
+        emit({"path": label, "items": described, "total_bytes": grand_total})
         return 0
     if args.plot and not args.summary:
         print(f"wrote {args.plot} ({label}: {human_bytes(grand_total)} of arrays)")
@@ -83,9 +83,7 @@ def cmd_inspect(args) -> int:
 
 
 def _describe_item(item) -> dict[str, Any]:
-    """One item of ``inspect --json``: a pytree's leaves (metadata only), a JSON item's
-    value, an ``fop.HFShards`` item's tensors (its files' headers, on local disk only),
-    else only its kind (never read as JSON)."""
+    """One item of ``inspect --json`` (an ``fop.HFShards`` item's from its headers)."""
     described = {"name": item.name, "kind": item.kind}
     if item.kind in JSON_KINDS:
         return {**described, "value": read_json_item(item)}
@@ -267,9 +265,8 @@ def _refuse_other_places(loc: Location, found) -> None:
             raise CliError(f"{where}: gc removes nothing here")
     if (other := _foreign.foreign_run(loc)) is not None:
         raise CliError(
-            f"{loc} holds {other}, no step of this library: gc removes only this library's "
-            f"steps (`flax-orbax import {shell_word(loc)} OUT` converts it into steps of this "
-            f"library)"
+            f"{loc} holds {other}, no step of this library: gc removes only this library's steps "
+            f"(`flax-orbax import {shell_word(loc)} OUT` converts it)"
         )
 
 
@@ -294,7 +291,7 @@ def _gc_with_writer(loc: Location, args, exports: list[str]) -> tuple[list, list
 
 def _report_gc(loc: Location, args, unfinished, removed, kept, left) -> None:
     if args.json:
-        json_output.emit(
+        emit(
             {
                 "directory": str(loc),
                 "dry_run": bool(args.dry_run),
@@ -327,8 +324,7 @@ def _writer_now(loc: Location) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class GcPlan:
-    """Names ``gc`` would remove (``unfinished`` entries, committed ``steps``, the
-    ``exports`` that died left), the steps it would keep, the entries it leaves alone."""
+    """What ``gc`` would remove, keep and leave alone (``exports``: what dead exports left)."""
 
     unfinished: list[str]
     steps: list[int]
@@ -338,9 +334,8 @@ class GcPlan:
 
 
 def gc_plan(loc: Location, *, keep: int | None, keep_every: int | None) -> GcPlan:
-    """What ``gc --keep keep --keep-every keep_every`` would do to ``loc`` now, found by
-    reading only: the rules of the writer's housekeeping and retention asked without a
-    writer (no lock, nothing written or removed; a test compares their answers)."""
+    """What ``gc`` would do to ``loc`` now, by reading only: the writer's housekeeping and
+    retention rules asked without a writer (no lock; a test compares their answers)."""
     listing = _steps.list_directory(loc)
     finishing = [n for n in listing.unfinished if rolls_forward(loc, n, listing)]
     unfinished = [n for n in listing.unfinished if n not in finishing and _proven(loc.child(n))]

@@ -1,19 +1,25 @@
 """After the arguments parse: each path argument checked, then the command, its module
-alone imported (``list`` loads neither JAX nor tensorstore). Errors propagate to ``main``.
+alone imported (``list`` loads neither JAX nor tensorstore), the AWS C libraries' log lines
+kept off the terminal while it talks to S3 (not reentrant). Errors propagate to ``main``.
+
+Design notes: ``docs/internals.md``, section ``flax_orbax_plugin.cli.dispatch``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
+import re
 import sys
+import threading
 from collections.abc import Callable
 
 from .. import _errors
 from .._storage.local_inputs import local_path
 from .._storage.location import spec_from_path
 from .._storage.store_errors import refusal
-from .native_logs import aws_lines_filtered
 from .output import EXIT_STORE, CliError, one_line
 
 COMMANDS = {
@@ -49,6 +55,12 @@ PATH_ARGUMENTS = {
 }
 
 
+_LOST = (
+    "from a shell nothing is there, and what this command writes is lost when it exits "
+    "(use a local path, s3:// or gs://)"
+)
+
+
 class StoreAccessError(CliError):
     """An object store refused: no such bucket, no credentials, access denied."""
 
@@ -56,8 +68,7 @@ class StoreAccessError(CliError):
 
 
 def check_paths(args: argparse.Namespace, *, in_process: bool = False) -> list[dict]:
-    """The specs of the store paths; CliError naming the first path argument that names
-    no place it may be, or a memory:// OUT from a shell; a warning for another memory://."""
+    """The specs of the store paths; CliError for a path argument naming no place it may be."""
     specs = []
     for attr, name, where in PATH_ARGUMENTS[args.command]:
         value = getattr(args, attr)
@@ -68,19 +79,13 @@ def check_paths(args: argparse.Namespace, *, in_process: bool = False) -> list[d
                 local_path(value, what=name, note=_NOTE.get(attr, ""))
                 continue
             specs.append(spec_from_path(value, what=name))
-            if specs[-1]["driver"] == "memory" and attr == "out" and not in_process:
-                raise ValueError(
-                    f"{name} {value!r}: memory:// lives inside one process: what this "
-                    f"command writes there is lost when it exits (use a local path, s3:// "
-                    f"or gs://)"
-                )
-            if specs[-1]["driver"] == "memory":
-                print(  # main() called in-process (tests) shares its memory:// store
-                    f"flax-orbax {args.command}: warning: {name} {value!r}: memory:// lives "
-                    f"inside one process; from a shell nothing is there, and what this "
-                    f"command writes is lost when it exits (use a local path, s3:// or gs://)",
-                    file=sys.stderr,
-                )
+            if specs[-1]["driver"] != "memory":
+                continue
+            said = f"{name} {value!r}: memory:// lives inside one process"
+            if attr == "out" and not in_process:
+                raise ValueError(f"{said}: {_LOST}")
+            # main() called in-process (tests) shares its memory:// store
+            print(f"flax-orbax {args.command}: warning: {said}; {_LOST}", file=sys.stderr)
         except ValueError as e:
             raise CliError(one_line(e)) from None
     return specs
@@ -93,8 +98,7 @@ def run(
     in_process: bool = False,
 ) -> int:
     """``command``'s exit status, its paths checked first; on an object store AWS log
-    lines kept off stderr, a refusal one :class:`StoreAccessError` line. ``in_process``:
-    ``main(argv)`` called from Python."""
+    lines kept off stderr, a refusal one :class:`StoreAccessError` line."""
     specs = check_paths(args, in_process=in_process)
     remote = [s for s in specs if s["driver"] in ("s3", "gcs")]
     with aws_lines_filtered(enabled=any(s["driver"] == "s3" for s in remote)):
@@ -109,3 +113,70 @@ def run(
             if line is None:
                 raise
             raise StoreAccessError(line) from None
+
+
+# absl's prefix: severity, MMDD hh:mm:ss.micros, thread id, file:line]
+_ABSL = re.compile(rb"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ ([^:\]\s]+):\d+\] ")
+# tensorstore's own lines name a C/C++ file; the AWS logger names its subject there
+# ("common-io", ...), or "aws_api.cc" for a subject without a name.
+_SOURCE = re.compile(rb"\.(cc|c|h|cpp|hpp)$")
+
+
+def is_aws_line(line: bytes) -> bool | None:
+    """True for a non-fatal absl line of the AWS libraries, False for any other absl
+    line, None for a line without the absl prefix (a continuation or plain text)."""
+    m = _ABSL.match(line)
+    if m is None:
+        return None
+    if m.group(1) == b"F":
+        return False
+    return m.group(2) == b"aws_api.cc" or not _SOURCE.search(m.group(2))
+
+
+@contextlib.contextmanager
+def aws_lines_filtered(*, enabled: bool = True):
+    """Descriptor 2 through the filter while the block runs (every line copied on exit)."""
+    if not enabled or os.environ.get("FLAX_ORBAX_DEBUG"):
+        yield
+        return
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no descriptor 2 (a daemon's closed stderr): nothing to filter
+        yield
+        return
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    copier = threading.Thread(target=_copy, args=(read_end, saved), daemon=True)
+    copier.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last writer closes: the copier reads to its end
+        copier.join(timeout=10)
+        os.close(saved)
+
+
+def _copy(read_end: int, out: int) -> None:
+    dropping = False
+    with os.fdopen(read_end, "rb", buffering=0) as pipe:
+        pending = b""
+        while chunk := pipe.read(65536):
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                dropping = _keep(line + b"\n", out, dropping)
+        if pending:
+            _keep(pending, out, dropping)
+
+
+def _keep(line: bytes, out: int, dropping: bool) -> bool:
+    """Writes ``line`` unless it is (or continues) an AWS line; whether the next is dropped."""
+    aws = is_aws_line(line)
+    if aws is None:
+        aws = dropping
+    while line and not aws:
+        line = line[os.write(out, line) :]
+    return aws

@@ -12,16 +12,16 @@ from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import COMMIT_FILE, MANIFEST_FILE
 from .._storage.location import Location
-from . import json_output, plot
+from . import display
 from .display import make_table
-from .output import CliError, human_bytes, iso_time, one_line, shell_word
+from .output import CliError, emit, human_bytes, iso_time, one_line, shell_word
 from .paths import describe_missing, dir_bytes, load_extras
 
 
 def cmd_list(args) -> int:
     loc = Location.from_path(args.directory)
     if args.plot:
-        plot.check_output(args.plot)
+        display.check_output(args.plot)
     if args.json or args.plot:
         return _list_data(loc, args)
     if _list_one_checkpoint(loc):
@@ -93,13 +93,13 @@ def _list_data(loc: Location, args) -> int:
         records = [_step_record(loc, step, shut=shut.get(step)) for step in steps]
     if args.plot:
         saves = [
-            plot.Save(r["step"], r["_time"], r["bytes_written"], r["bytes_reused"])
+            display.Save(r["step"], r["_time"], r["bytes_written"], r["bytes_reused"])
             for r in records
             if r["_time"] is not None
         ]
-        plot.saves_figure(str(directory), saves, args.plot)
+        display.saves_figure(str(directory), saves, args.plot)
     if args.json:
-        json_output.emit(
+        emit(
             {
                 "directory": str(directory),
                 "steps": [{k: v for k, v in r.items() if k[0] != "_"} for r in records],
@@ -116,10 +116,8 @@ def _list_data(loc: Location, args) -> int:
 def _step_record(
     loc: Location, step: int, *, step_loc: Location | None = None, shut: str | None = None
 ) -> dict:
-    """One step of ``list``: the fields of ``list --json`` (its metrics: the finite ones),
-    and three not in it (``_time``: for a plot, ``_metrics``: every numeric extra,
-    ``_damage``: whether the step's error is damage); ``shut``: why the listing could not
-    read the step's folder."""
+    """One step of ``list``: the fields of ``list --json``, and ``_time`` (for a plot),
+    ``_metrics`` (every numeric extra), ``_damage`` (whether ``damaged`` is damage)."""
     step_loc = step_loc or _steps.step_location(loc, step)
     out: dict[str, Any] = {"step": step, "_time": None, "size_bytes": None}
     try:
@@ -154,8 +152,7 @@ def _why(e: BaseException) -> str:
 
 
 def _list_row(record: dict) -> dict[str, str]:
-    """One row of the ``list`` table from :func:`_step_record`'s ``record``: the step's
-    size, the array bytes its save wrote and reused (incremental)."""
+    """One row of the ``list`` table from :func:`_step_record`'s ``record``."""
     step = str(record["step"])
     if record["damaged"] is not None:
         what = "DAMAGED: " if record["_damage"] else ""

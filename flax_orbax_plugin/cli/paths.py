@@ -25,10 +25,8 @@ class Item:
 def resolve(
     path: str, step: int | None, item: str | None = None, *, default: str | None = None
 ) -> tuple[str, list[Item]]:
-    """(label, items) for PATH: a core checkpoint, a step, an item, or a directory.
-
-    ``step`` and ``item`` (``default`` when None, for a step or a run) choose; where
-    PATH already names one, another value is a CliError naming both, never ignored."""
+    """(label, items) for PATH: a core checkpoint, a step, an item, or a directory;
+    ``step`` and ``item`` (or ``default``) choose, a CliError where PATH already did."""
     loc = Location.from_path(path)
     if loc.exists(COMMIT_FILE):
         _only(loc, "a core checkpoint (one pytree, no steps or items)", step, None, item, None)
@@ -107,8 +105,7 @@ def step_items(step_loc: Location) -> list[Item]:
 
 
 def dir_bytes(loc: Location) -> int | None:
-    """Bytes stored under ``loc``: a local walk or a store's listing; None where
-    neither can be had (no client installed, a listing refused)."""
+    """Bytes stored under ``loc`` (a local walk or a store's listing), or None."""
     if loc.is_local:
         return loc.size_bytes()
     copier, _ = _server_copy.copier_for(loc)

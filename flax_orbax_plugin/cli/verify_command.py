@@ -10,9 +10,8 @@ from .._core.verify import verify
 from .._errors import CheckpointError, CheckpointNotFoundError, OptionError
 from .._format import steps as _steps
 from .._storage.location import Location
-from . import json_output
 from .display import byte_progress
-from .output import EXIT_DAMAGED, EXIT_ERROR, CliError, one_line
+from .output import EXIT_DAMAGED, EXIT_ERROR, CliError, emit, one_line
 
 
 def cmd_verify(args) -> int:
@@ -74,9 +73,8 @@ def _name(r: Any, step: str = "") -> str:
 
 
 def _run_steps(loc: Location, args) -> tuple[list[int], dict[int, str]]:
-    """The steps of run ``loc`` to verify one at a time (all, or the newest, an
-    unreadable one included), and why each unreadable one was shut; none for anything
-    else (``fop.verify`` of PATH)."""
+    """The steps of run ``loc`` to verify one at a time, and why each unreadable one was
+    shut; none for anything else (``fop.verify`` of PATH)."""
     if args.step is not None:
         return [], {}
     try:
@@ -93,9 +91,7 @@ def _run_steps(loc: Location, args) -> tuple[list[int], dict[int, str]]:
 def _verify_each_step(
     loc: Location, steps: list[int], shut: dict[int, str], limit: int | None
 ) -> tuple[list, list[dict[str, Any]]]:
-    """``verify`` of ``steps`` of run ``loc``, each by its own path: a step that cannot
-    be read (not damage; ``shut``: those the listing could not read) is reported and
-    the others still checked. ``limit``: ``--memory-limit``."""
+    """``verify`` of each step by its own path; one that cannot be read is reported, not damage."""
     results, unreadable = [], []
     for step in steps:
         where = str(_steps.step_location(loc, step))
@@ -119,4 +115,4 @@ def _verify_json(path: str, results: list[dict[str, Any]], *, unreadable: int = 
     doc = {"path": path, "ok": not bad, "damaged": bad - unreadable, "results": results}
     if unreadable:  # steps that could not be read (an environment error, not damage)
         doc["unreadable"] = unreadable
-    json_output.emit(doc)
+    emit(doc)

@@ -6,8 +6,8 @@ import threading
 
 import numpy as np
 
-from flax_orbax_plugin._base import buffer_pool as _buffer_pool
 from flax_orbax_plugin._base import host as _host
+from flax_orbax_plugin._base import host_memory as _buffer_pool
 
 
 def test_empty_is_aligned_and_contiguous():

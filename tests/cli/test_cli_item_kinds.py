@@ -12,7 +12,7 @@ import numpy as np
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin import cli
-from flax_orbax_plugin.cli.json_output import SCHEMAS
+from flax_orbax_plugin.cli.output import SCHEMAS
 
 
 class _Notes:

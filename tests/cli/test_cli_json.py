@@ -21,7 +21,7 @@ from flax_orbax_plugin._core import ownership as _ownership
 from flax_orbax_plugin._format import layout as _layout
 from flax_orbax_plugin._format import steps as _steps
 from flax_orbax_plugin._storage.location import Location
-from flax_orbax_plugin.cli.json_output import SCHEMAS
+from flax_orbax_plugin.cli.output import SCHEMAS
 
 STEPS = (1, 2, 3, 4)
 

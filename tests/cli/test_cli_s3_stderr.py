@@ -15,7 +15,7 @@ import pytest
 from _s3_server import S3Server
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin.cli.native_logs import is_aws_line
+from flax_orbax_plugin.cli.dispatch import is_aws_line
 from flax_orbax_plugin.cli.output import EXIT_STORE
 
 pytest_plugins = ["_servers"]

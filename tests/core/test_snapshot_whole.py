@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from flax_orbax_plugin._base.buffer_pool import BufferPool
+from flax_orbax_plugin._base.host_memory import BufferPool
 from flax_orbax_plugin._core import plan as _plan
 from flax_orbax_plugin._core.formats import SaveRequest
 from flax_orbax_plugin._storage.location import Location

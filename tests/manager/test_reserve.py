@@ -15,8 +15,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_orbax_plugin as fop
-from flax_orbax_plugin._base import buffer_pool as _buffer_pool
 from flax_orbax_plugin._base import host as _host
+from flax_orbax_plugin._base import host_memory as _buffer_pool
 
 
 def _state(devices, v: float) -> dict:
