@@ -7,7 +7,7 @@ import threading
 import numpy as np
 
 from flax_orbax_plugin._base import host as _host
-from flax_orbax_plugin._base import host_memory as _buffer_pool
+from flax_orbax_plugin._base import host_memory as _host_memory
 
 
 def test_empty_is_aligned_and_contiguous():
@@ -18,7 +18,7 @@ def test_empty_is_aligned_and_contiguous():
 
 
 def test_pool_hands_back_given_back_memory_of_the_same_size():
-    pool = _buffer_pool.BufferPool()
+    pool = _host_memory.BufferPool()
     a = pool.empty((256, 256), np.float32)  # 256 KiB: pooled
     addr = a.ctypes.data
     pool.give_back([a])
@@ -33,7 +33,7 @@ def test_pool_hands_back_given_back_memory_of_the_same_size():
 
 
 def test_pool_never_hands_out_a_buffer_that_was_not_given_back():
-    pool = _buffer_pool.BufferPool()
+    pool = _host_memory.BufferPool()
     taken = [pool.empty((1 << 16,), np.uint8) for _ in range(4)]
     pool.give_back(taken[:2])
     again = [pool.empty((1 << 16,), np.uint8) for _ in range(3)]
@@ -43,7 +43,7 @@ def test_pool_never_hands_out_a_buffer_that_was_not_given_back():
 
 
 def test_give_back_replaces_what_was_not_taken_since():
-    pool = _buffer_pool.BufferPool()
+    pool = _host_memory.BufferPool()
     old = pool.empty((1 << 17,), np.uint8)
     pool.give_back([old])
     new = pool.empty((1 << 18,), np.uint8)  # another size: old stays free, unused
@@ -52,7 +52,7 @@ def test_give_back_replaces_what_was_not_taken_since():
 
 
 def test_small_buffers_are_not_pooled_and_copy_keeps_values():
-    pool = _buffer_pool.BufferPool()
+    pool = _host_memory.BufferPool()
     small = pool.empty((10,), np.float32)
     pool.give_back([small])
     assert pool.nbytes == 0
@@ -63,7 +63,7 @@ def test_small_buffers_are_not_pooled_and_copy_keeps_values():
 
 
 def test_pool_is_safe_across_threads():
-    pool = _buffer_pool.BufferPool()
+    pool = _host_memory.BufferPool()
     errors = []
 
     def work(i):

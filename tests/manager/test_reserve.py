@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import flax_orbax_plugin as fop
 from flax_orbax_plugin._base import host as _host
-from flax_orbax_plugin._base import host_memory as _buffer_pool
+from flax_orbax_plugin._base import host_memory as _host_memory
 
 
 def _state(devices, v: float) -> dict:
@@ -36,7 +36,7 @@ def _state(devices, v: float) -> dict:
     }
 
 
-def _pool(mngr: fop.CheckpointManager) -> _buffer_pool.BufferPool:
+def _pool(mngr: fop.CheckpointManager) -> _host_memory.BufferPool:
     return mngr._buffers  # the manager's pool: its counters are what is tested
 
 
@@ -97,6 +97,6 @@ def test_reserve_of_eval_shape_and_the_callback(tmp_path, devices):
 )
 def test_populate_uses_madvise_and_leaves_the_buffer_writable():
     buf = _host.empty((1 << 20,), np.uint8)
-    assert _buffer_pool.populate(buf)
+    assert _host_memory.populate(buf)
     buf[:] = 7
     assert int(buf.sum()) == 7 << 20
