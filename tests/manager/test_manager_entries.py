@@ -46,7 +46,7 @@ def test_a_collective_method_draws_its_region_with_the_managers_stall_and_scope(
     @contextlib.contextmanager
     def recording(kind, *, spans=True, stall_s=None, scope=None):
         drawn.append((kind, stall_s, scope))
-        yield None
+        yield _distributed.Region(kind)  # one process: a region that spans nothing
 
     with fop.CheckpointManager(tmp_path / "run", stall_timeout=7.5, async_save=False) as mngr:
         monkeypatch.setattr(_distributed, "collective", recording)
@@ -69,7 +69,7 @@ def test_the_hook_guard_runs_before_any_region(tmp_path, monkeypatch):
     @contextlib.contextmanager
     def recording(kind, **_):
         drawn.append(kind)
-        yield None
+        yield _distributed.Region(kind)
 
     def hook(event):
         if isinstance(event, fop.SaveCommitted) and not refused:
