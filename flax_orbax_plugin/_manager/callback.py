@@ -218,10 +218,8 @@ class CheckpointCallback:
             raise first
 
     def _run_over(self, call: str) -> CheckpointError:
-        return CheckpointError(
-            f"{call} after on_train_end (step {self._ended}): this callback's run is over; "
-            f"use a new CheckpointCallback for another run"
-        )
+        over = f"after on_train_end (step {self._ended}): this callback's run is over"
+        return CheckpointError(f"{call} {over}; use a new CheckpointCallback for another run")
 
     def __call__(self, step: int, t: float | None = None) -> bool:
         """CLU-style hook: reads the state from ``state_fn`` and calls ``on_step_end``."""
@@ -262,8 +260,7 @@ class CheckpointCallback:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        """Closes; with an error leaving the block, the manager's ``leave``: the save in
-        flight ends, then the other processes learn that this one left (none waits)."""
+        """Closes; with an error leaving the block, the manager's ``leave``."""
         if exc_type is None or self._manager is None:
             self.close()
             return
@@ -315,9 +312,8 @@ class CheckpointCallback:
             self._finish_inflight(block=True)
 
     def _finish_inflight(self, *, block: bool) -> None:
-        """Reports the save in flight once committed (``block`` False: not if it runs); a
-        background failure raises here. This process's own wait, never the collective
-        ``wait`` (a barrier one process entered would hold it until the others poll)."""
+        """Reports the save in flight once committed (``block`` False: not if it runs).
+        This process's own wait, never the collective ``wait`` (the others do not poll)."""
         if self._inflight is None:
             return
         handle = self._inflight_handle

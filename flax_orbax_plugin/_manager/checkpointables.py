@@ -37,8 +37,7 @@ from .._storage.location import Location
 
 def to_json(value: Any, where: str, depth: int = 0) -> Any:
     """``value`` as JSON data (bytes as ``{"__bytes__": b64}``, NaN and infinities as
-    ``{"__float__": repr}``); what no reader accepts (text UTF-8 cannot encode, nesting
-    past ``JSON_ITEM``) is refused here, on the caller's thread, naming ``where``."""
+    ``{"__float__": repr}``); what no reader accepts is refused here, naming ``where``."""
     if depth > _local_files.JSON_ITEM.max_depth:
         raise StructureError(
             f"{where}: nested more than {_local_files.JSON_ITEM.max_depth} levels deep, more "
@@ -150,8 +149,7 @@ def position_across_counts(
     read: Callable[[int], Any],
 ) -> int:
     """The global position to continue from when ``saved`` processes saved the iterator
-    states and ``restoring`` restore them (``read(i)``: process i's decoded file);
-    StructureError naming both counts when no one global position continues them all."""
+    states and ``restoring`` restore them (``read(i)``: process i's decoded file)."""
     head = (
         f"{directory}: the data iterator states were saved by {saved} process(es) but "
         f"{restoring} are restoring"
@@ -344,8 +342,7 @@ class DataIteratorCheckpointable:
     def restore(self, directory: Location, like: Any, request: ReadRequest = _READ) -> Any:
         manifest = _layout.manifest_for_item(directory)
         if manifest is not None and manifest.process_count != jax.process_count():
-            # another process count: only a global position carries over (like=None:
-            # process 0's state, the same on every process)
+            # another process count: only a global position carries over
             read = functools.partial(self._read, directory)
             at = position_across_counts(
                 directory,
@@ -449,8 +446,7 @@ def with_requests(checkpointable: Any) -> Checkpointable:
 
 
 def warn_unheld(named: set[str], items: Mapping[str, Any]) -> set[str]:
-    """At a manager's first save: warns of each item ``named`` by ``checkpointables=`` or
-    ``compression=`` that the save does not hold (a misspelling); returns the empty set."""
+    """Warns of each item ``named`` that a first save does not hold; returns the empty set."""
     unheld = sorted(named - set(items))
     if unheld:
         warnings.warn(

@@ -193,8 +193,7 @@ MONITORING_NAMES: Mapping[str, str] = {
 
 
 def stored_size(location: Location, dirs: Iterable[str] = ("",)) -> tuple[int, int | None]:
-    """``(files, bytes)`` stored under ``dirs`` of ``location`` (no link followed; an
-    object store's listing gives no sizes: bytes None)."""
+    """``(files, bytes)`` stored under ``dirs`` of ``location`` (bytes None on object stores)."""
     files, size = 0, 0
     for d in dirs:
         where = location.child(d) if d else location
@@ -259,8 +258,7 @@ class Events:
         self.hook = hook
         self._lock = threading.RLock()
         self._error: EventHookError | None = None  # the first not raised yet
-        # (thread id, event) of each hook call running, innermost last (under _lock:
-        # one thread's at a time; a hook's restore delivers RestoreDone inside it).
+        # (thread id, event) of each hook call running, innermost last (under _lock).
         self._delivering: list[tuple[int, Event]] = []
 
     def delivering(self) -> Event | None:
@@ -338,8 +336,7 @@ class Events:
             raise kept
 
     def raise_after_save(self, step: int) -> None:
-        """As a save of ``step`` returns, with one process: :meth:`raise_error`, its
-        ``saved_step`` set (with several, :meth:`agree` raises it)."""
+        """With one process, :meth:`raise_error` as a save of ``step`` returns."""
         kept = self._take() if _distributed.process_count() == 1 else None
         if kept is not None:
             kept.saved_step = step
@@ -361,9 +358,8 @@ class Events:
 
 
 class HookGuarded:
-    """A base of the manager: its calls that wait for its save, retention or copy threads
-    (``restore`` too, but with one process), called from its on_event hook, raise
-    HookReentryError before anything else (before a region is drawn); a subclass's too."""
+    """A base of the manager: its calls that wait for its own threads (``restore`` too, with
+    several processes), called from its on_event hook, raise HookReentryError first."""
 
     _REFUSED = ("save", "step_parts", "wait", "wait_for_save", "delete", "gc", "close", "leave")
 

@@ -1,6 +1,5 @@
-"""Each host's own local directory: saving, the persistent tier and restore ways of a
-manager whose processes each see a directory no other sees (way b: a step from a peer
-over jax collectives).
+"""Each host's own local directory: saving, the persistent tier and restore ways (way b:
+a step from a peer over jax collectives) of a manager whose processes see no shared one.
 
 Collective where they say so: every process calls them in the same order, on the
 training thread.
@@ -130,8 +129,7 @@ def read_marker(loc: Location, step: int) -> tuple[dict | None, str | None]:
 
 
 def _marker_problem(loc: Location, step: int, run: Any) -> str | None:
-    """What differs from this process of this run (None: any run) with today's
-    process->device map in the marker of ``step``; None when nothing."""
+    """What differs in ``step``'s marker from this process of ``run`` (None: any run)."""
     doc, problem = read_marker(loc, step)
     if doc is None:
         return problem
@@ -184,11 +182,8 @@ def detect(
             f"{loc}: incremental=True is not supported with a directory per host (each "
             f"process sees its own {loc.path}); use a shared directory or incremental=False"
         )
-    if (
-        own
-        and format_version is not None
-        and not _formats.for_version(format_version).per_host_directories
-    ):
+    version = None if format_version is None else _formats.for_version(format_version)
+    if own and version is not None and not version.per_host_directories:
         raise CheckpointError(
             f"{loc}: format_version={format_version} is not supported yet with a directory "
             f"per host (each process sees its own {loc.path}); use format_version=1 or a "
@@ -245,8 +240,7 @@ def _open_view(loc: Location, steps: list[int]) -> dict:
 
 def claim_directory(loc: Location, run: str, steps: list[int]) -> None:
     """A non-primary host's own directory taken for ``run`` (``docs/run_owner.md``): its
-    run record must name ``run``; without one, every committed step's marker must, and
-    the record is written. CheckpointError otherwise, nothing touched."""
+    run record, else every step's marker, must name ``run`` (then the record is written)."""
     record = _run_record.read_record(loc)  # CorruptCheckpointError when malformed
     if record is not None:
         if record.run != run:
@@ -272,8 +266,7 @@ def remove_steps(
     loc: Location, steps: list[int], committed: list[int], region: _distributed.Region
 ) -> None:
     """Collective (in ``region``): ``CheckpointManager.delete`` over each host's own
-    directory. Which host holds which step is agreed first; a step no host holds is a
-    CheckpointNotFoundError everywhere (nothing removed); else each removes its own."""
+    directory; a step no host holds is refused everywhere, else each removes its own."""
     mine = [s for s in steps if s in committed]
     held = region.gather_json("per-host-delete", mine)
     missing = [s for s in steps if not any(s in view for view in held)]
@@ -289,8 +282,7 @@ def remove_steps(
 
 
 def with_primary_extras(items: dict[str, Any], region: _distributed.Region) -> dict[str, Any]:
-    """``items`` with the primary's ``extras`` item (none where it has none), on every
-    process (collective, one broadcast in the save's ``region``): the step's one
+    """``items`` with the primary's ``extras`` item (collective, in ``region``): the one
     manifest records one checksum per file, so every host's copy holds the same JSON."""
     extras = items.get("extras")
     op = region.next_operation_id("per-host-extras")
@@ -378,29 +370,24 @@ def _from_donor(
 ) -> str | None:
     """Collective: ``donor``'s copy of ``step`` sent to every process; committed here
     when ``take``. Returns this process's error (None: none)."""
-    mine = None
+    mine, listing = [], None
     if doc is not None:  # this process is the donor
         try:
             mine = _read_copy(loc, step)
         except (CheckpointError, OSError) as e:
-            mine = f"{type(e).__name__}: {e}"
-    listing = None
-    if doc is not None:
-        listing = (
-            {"error": mine}
-            if isinstance(mine, str)
-            else {
+            listing = {"error": f"{type(e).__name__}: {e}"}
+        else:
+            listing = {
                 "files": [[rel, len(data), hashlib.sha256(data).hexdigest()] for rel, data in mine],
                 "layout": doc.get("layout"),
                 "hosts": doc.get("hosts"),
                 "held": doc.get("held"),  # the donor's regions are the recipient's
             }
-        )
     listing = region.gather_json("peer-listing", listing)[donor]
     if "error" in listing:
         return f"process {donor} could not read its copy: {listing['error']}" if take else None
     total = sum(size for _, size, _ in listing["files"])
-    blob = b"".join(data for _, data in mine) if doc is not None else b""
+    blob = b"".join(data for _, data in mine)
     received = _broadcast(blob, total, doc is not None)
     if not take:
         return None
