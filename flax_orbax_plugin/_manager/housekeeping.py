@@ -1,7 +1,5 @@
 """Housekeeping of a directory of steps: what a manager checks and clears at open, and
-the options every process must open a writer with (compared there, one collective round).
-
-Functions; called on the training thread (at open, in ``gc`` and ``delete``).
+the options every process must open a writer with. Training thread (open, gc, delete).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.housekeeping``.
 """

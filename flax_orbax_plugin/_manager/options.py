@@ -1,8 +1,5 @@
 """The options of CheckpointManager and CheckpointCallback, each declared once and
-checked once where they enter, before anything is made; a save policy and a retention
-leave here as rule objects; the two classes' signatures and docstrings are derived from
-the declarations (:func:`document`, once per class at import). Pure functions, on the
-constructing thread.
+checked once where they enter. Pure functions, on the constructing thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.options``.
 """

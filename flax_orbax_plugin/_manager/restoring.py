@@ -1,8 +1,7 @@
 """Restorer: reads a step of a manager's directory back.
 
-Threading: the training thread (``CheckpointManager.restore``), after the in-flight
-save was waited for; :meth:`Restorer.with_step` marks the step as being read (never
-deleted meanwhile by this manager's retention).
+Threading: the training thread, after the in-flight save was waited for;
+:meth:`Restorer.with_step` marks the step as being read (retention never deletes it).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.restoring``.
 """

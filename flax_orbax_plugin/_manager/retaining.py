@@ -1,5 +1,4 @@
-"""StepBook: what one CheckpointManager knows about its steps; RetentionRunner, which
-deletes the steps its retention drops, by that book.
+"""StepBook: what a manager knows of its steps; RetentionRunner: deletes what retention drops.
 
 Threading: the training, save and deletion threads share one book, every field under
 its lock. RetentionRunner: ``submit`` from the save's background thread after each

@@ -1,11 +1,7 @@
-"""Copy-down: a persistent step made a committed local one (see ``docs/tiers.md``).
-
-Copied into local staging, **verified there in full**, then committed. Proven damage
-sets the persistent copy aside (renamed ``<step>.corrupt-<nonce>``, or recorded in
-:data:`DAMAGED_FILE` on object stores: never copied down or counted again);
-environmental errors set nothing aside. Training thread, on restore; collective with
-several processes. :attr:`DamagedSteps.steps` is replaced, never mutated (the
-replicator thread forgets a step a good copy replaced): readers see a whole dict.
+"""Copy-down: a persistent step made a committed local one (see ``docs/tiers.md``),
+verified in full in local staging first; only proven damage sets the persistent copy
+aside. Training thread, on restore; collective with several processes.
+:attr:`DamagedSteps.steps` is replaced, never mutated: readers see a whole dict.
 """
 
 from __future__ import annotations

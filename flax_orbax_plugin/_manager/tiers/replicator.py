@@ -1,11 +1,9 @@
 """Replication to the persistent tier (see ``docs/tiers.md``).
 
-The primary's replicator: :meth:`Replicator.run` is its thread, copying the newest
-queued step (retried), then the persistent retention; a failure is kept as the tier's
-error. With several processes each copy is a round (:class:`Rounds`): the primary
-announces it, every process copies its share and reports, the primary commits or not
-and publishes the outcome; the others take part on their replicator thread
-(:meth:`Rounds.follow`).
+:meth:`Replicator.run` is the primary's replicator thread: the newest queued step
+(retried), then the persistent retention; a failure is kept as the tier's error. With
+several processes each copy is a round (:class:`Rounds`) the others take part in on
+their replicator thread (:meth:`Rounds.follow`).
 """
 
 from __future__ import annotations

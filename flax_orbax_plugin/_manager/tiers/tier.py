@@ -1,14 +1,8 @@
-"""The persistent tier: its option object :class:`Tier`, and :class:`PersistentTier`,
-a manager's local directory of steps replicated to a persistent one.
-
-Each of Tier's fields is declared once (:data:`FIELDS`; the deprecated flat
-``persistent_<field>=`` keywords are the same declarations: ``options.DEPRECATED``);
-a Tier is a frozen value, any thread. PersistentTier is the façade the manager calls
-(open, submit, wait, close, steps, ensure_local) over its collaborators, sharing one
-:class:`~.state.TierState`, and the collective open (the primary's part, then its
-outcome shared in one key-value round: all open alike or all raise). Who calls what,
-from which thread, the multi-process protocol and the rules on ownership and damage:
-``docs/tiers.md``.
+"""The persistent tier: its option object :class:`Tier` (a frozen value, any thread; each
+field declared once in :data:`FIELDS`), and :class:`PersistentTier`, the façade the
+manager calls over its collaborators (one :class:`~.state.TierState`), whose collective
+open has every process open alike or raise. Who calls what, from which thread, and the
+rules on ownership and damage: ``docs/tiers.md``.
 """
 
 from __future__ import annotations
