@@ -323,8 +323,7 @@ class StepCheckpointable(JsonCheckpointable):
 
 
 class DataIteratorCheckpointable:
-    """The position of a data iterator, one JSON file per process; ``restore`` sets it
-    on ``like`` and returns it (``like=None``: this process's decoded state)."""
+    """The position of a data iterator, one JSON file per process, set on ``like``."""
 
     kind = "data_iterator"
 

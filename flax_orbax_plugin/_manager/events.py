@@ -283,8 +283,7 @@ class Events:
         )
 
     def emit(self, event: Event) -> None:
-        """Records ``event`` and calls the hook; what it raises is logged and kept (as an
-        EventHookError), never raised here, but for a Ctrl-C on the main thread."""
+        """Records ``event`` and calls the hook; what it raises is logged and kept."""
         with self._lock:
             try:
                 _monitor(event)
@@ -343,8 +342,7 @@ class Events:
             raise kept
 
     def agree(self, kind: str, region: _distributed.Region, *, what: str) -> None:
-        """Collective (in ``region``, as a barrier): raises on every process a hook error
-        of this process, else of another (naming it)."""
+        """Collective (a barrier in ``region``): any process's hook error raised on all."""
         region.agree(kind, self._take(), what=what)
 
     def save_failed(self, step: int, directory: str, phase: str, error: BaseException) -> None:

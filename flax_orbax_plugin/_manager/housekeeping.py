@@ -51,9 +51,8 @@ def refuse_step_directory(loc: Location) -> None:
 def open_writer(
     loc: Location, *, own: bool = False, region: _distributed.Region
 ) -> DirectoryLock | _lease.Lease | None:
-    """A writer's open, on every process, in ``region``: the primary's lock (or lease on
-    object stores) and removal of dead saves' remains (``own``: every process its own),
-    then one meeting. Returns the lock or lease held."""
+    """A writer's open, on every process, in ``region``: the primary's lock (or lease) and
+    removal of dead saves' remains, then one meeting. Returns the lock or lease held."""
     dir_lock = None
     if loc.is_local and (own or _distributed.is_primary()):
         # One writer per directory: the primary holds the lock for all processes
@@ -137,8 +136,7 @@ def _live(loc: Location, name: str) -> bool:
 
 
 def rolls_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:
-    """Whether unfinished ``name`` is a ``.partial-`` holding a valid manifest whose step
-    is missing (a crash between the renames of a replacement): to be finished."""
+    """Whether unfinished ``name`` is a replacement to finish (a crash between its renames)."""
     step_name, _, kind = name.partition(".")  # (a step written in place has no kind)
     if not kind.startswith("partial-") or int(step_name) in listing.committed:
         return False
@@ -233,8 +231,7 @@ def shared_view(opts: Any) -> dict[str, Any]:
 
 
 def check_same_options(opts: Any, region: _distributed.Region) -> None:
-    """Collective (a writer's open, in ``region``): CoordinationError on every process
-    naming each option whose :func:`shared_view` differs, and each process's value."""
+    """Collective (a writer's open): each option whose :func:`shared_view` differs, refused."""
     if _distributed.process_count() == 1:
         return
     views = region.gather_json("manager-options", shared_view(opts))

@@ -434,8 +434,7 @@ def _refuse_both(given: Mapping[str, Any]) -> None:
 
 
 def open_stall(given: Mapping[str, Any]) -> float | None:
-    """The manager open's own stall timeout, read before its region is drawn; None where
-    invalid (:func:`check_manager` refuses it then)."""
+    """The open's stall timeout, read before its region is drawn; None where invalid."""
     try:
         return STALL_TIMEOUT.check(given.get("stall_timeout"))
     except (OptionError, TypeError):
@@ -509,8 +508,7 @@ def _compose(out: dict[str, Any]) -> None:
 
 
 def _rules(value: Any, *, top: bool = True) -> Any:
-    """``value`` with each SavePolicy or Retention in it, nested too, replaced by its
-    rule objects (a SavePolicy's ``clock`` below the top is refused: it would be dropped)."""
+    """``value`` with each SavePolicy or Retention in it, nested too, made rule objects."""
     if isinstance(value, SavePolicy) and not top and value.clock is not _CLOCK_DEFAULT:
         raise OptionError(
             f"{value!r}: the clock= of a SavePolicy inside another rule or a Lane is not "
@@ -709,9 +707,7 @@ CALLBACK_DOC = """Resume at train start, save on a policy, flush at train end.
 
 
 def document(cls: type, template: str, declared: Iterable[Option]) -> None:
-    """Sets ``cls.__doc__`` (``template`` with its ``{options}`` list) and the signature
-    of ``cls.__init__`` (``self``, ``directory``, then every option keyword-only) from
-    ``declared``."""
+    """Sets ``cls.__doc__`` and the signature of ``cls.__init__`` from ``declared``."""
     declared = tuple(declared)
     cls.__doc__ = template.format(options=doc_lines(declared, indent="      "))
     positional = inspect.Parameter.POSITIONAL_OR_KEYWORD

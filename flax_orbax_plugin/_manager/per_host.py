@@ -105,8 +105,7 @@ def own_marker(step: int, run: str | None, items: Mapping[str, Any]) -> bytes:
 def host_marker(
     step: int, run: str | None, layout: str, hosts: list | None = None, held: dict | None = None
 ) -> bytes:
-    """The bytes of this host's :data:`HOST_FILE` for ``step``; ``hosts`` and ``held``:
-    as :func:`own_marker` makes them (None: a copy of every region)."""
+    """The bytes of this host's :data:`HOST_FILE` (``hosts`` None: a copy of every region)."""
     doc = {
         "held": held,
         "format": _FORMAT,
@@ -158,8 +157,7 @@ def valid_steps(loc: Location, steps: list[int], run: Any, *, quiet: bool = Fals
 
 
 def agreed_time(region: _distributed.Region) -> float:
-    """Collective (in the save's ``region``): the primary's clock on every process, the
-    ``created_at`` of a per-host step (every host writes the same bytes)."""
+    """Collective (in ``region``): the primary's clock, a per-host step's ``created_at``."""
     op = region.next_operation_id("per-host-time")
     return float(region.broadcast_str(op, repr(time.time())))
 
@@ -171,8 +169,7 @@ def detect(
     format_version: int | None,
     region: _distributed.Region,
 ) -> bool:
-    """Collective, at a writer's open (in its ``region``): whether each process has its
-    own directory (only with a persistent tier). Creates this process's directory."""
+    """Collective, at a writer's open: whether each process has its own directory."""
     if persistent is None or not loc.is_local or _distributed.process_count() == 1:
         return False
     loc.makedirs()
@@ -303,8 +300,7 @@ def _offer(doc: dict | None) -> dict | None:
 
 
 def peer_plan(offers: list[dict | None]) -> dict[int, int] | str:
-    """``{recipient: donor}`` for every process without the step, or why not (the same
-    on every process: a function of the gathered offers)."""
+    """``{recipient: donor}`` for every process without the step, or why not."""
     holders = [p for p, o in enumerate(offers) if o is not None]
     recipients = [p for p, o in enumerate(offers) if o is None]
     if not holders:
@@ -368,8 +364,7 @@ def _from_donor(
     doc: dict | None,
     region: _distributed.Region,
 ) -> str | None:
-    """Collective: ``donor``'s copy of ``step`` sent to every process; committed here
-    when ``take``. Returns this process's error (None: none)."""
+    """Collective: ``donor``'s copy of ``step`` sent, committed here when ``take``; an error."""
     mine, listing = [], None
     if doc is not None:  # this process is the donor
         try:

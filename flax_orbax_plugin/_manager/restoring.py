@@ -45,8 +45,7 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 class Restorer:
-    """Restores steps of the manager's directory as ``opts`` (a ``ManagerOptions``) say
-    (``read_only``: never moves a damaged step aside); ``book``: its step records."""
+    """Restores steps of the manager's directory as ``opts`` (a ``ManagerOptions``) say."""
 
     def __init__(self, opts: Any, book: StepBook):
         self._loc = opts.location
@@ -70,8 +69,7 @@ class Restorer:
         region,
         limit: int | None = None,
     ) -> Any:
-        """``step`` (None: the latest that restores) as CheckpointManager.restore, in
-        ``region``; ``limit``: a host-memory ceiling under the manager's."""
+        """``step`` (None: the latest that restores) as CheckpointManager.restore."""
         started, self._tier = time.perf_counter(), "local"
         ceiling = _host_memory.resolve(self._ceiling)  # "auto": from the memory free now
         if limit is not None:
@@ -223,8 +221,7 @@ class Restorer:
         return result, [f"process {p}: {v}" for p, v in enumerate(views) if v is not None]
 
     def candidates(self, region: _distributed.Region) -> list[int]:
-        """Committed steps of both tiers, ascending (a step in both is read locally; the
-        persistent tier's agreed in ``region``)."""
+        """Committed steps of both tiers, ascending (a step in both is read locally)."""
         steps = self._book.listed()
         tier = self._book.tier
         if tier is not None:  # None: the store cannot be listed (logged)
@@ -312,8 +309,7 @@ class Restorer:
         return merged
 
     def warn_replay(self, step: int) -> None:
-        """Warns once per manager when ``step`` (just restored) holds a data position that
-        a resume left out (it replays the data)."""
+        """Warns once when ``step`` holds a data position that a resume left out."""
         if self._warned_replay or "data_iterator" not in self.restored_items:
             return
         self._warned_replay = True

@@ -32,8 +32,7 @@ def finite(value: object) -> float | None:
 
 @dataclass(frozen=True)
 class StepFacts:
-    """What a manager knows of its committed steps: ``metrics[name][step]``,
-    ``times[step]`` and ``lanes[step]`` of its saves, ``now`` (the latest save's time)."""
+    """What a manager knows of its committed steps (``now``: the latest save's time)."""
 
     metrics: Mapping[str, Mapping[int, Any]] = field(default_factory=dict)
     times: Mapping[int, float] = field(default_factory=dict)
@@ -295,8 +294,7 @@ def steps_to_delete(
     protected: Iterable[int] = (),
     facts: StepFacts | None = None,
 ) -> list[int]:
-    """The sorted steps that ``policy`` keeps not, nor ``protected``; ``metrics``
-    (``{step: value}``) stands for the facts of a policy that ranks one metric."""
+    """The sorted steps that neither ``policy`` nor ``protected`` keeps."""
     steps = sorted(set(steps))
     if not policy.deletes_anything:
         return []
@@ -315,8 +313,7 @@ def sound_steps_to_delete(
     protected: Iterable[int] = (),
     facts: StepFacts | None = None,
 ) -> list[int]:
-    """:func:`steps_to_delete` counting only the steps ``whole(step)`` accepts: a damaged
-    step is never deleted nor counted as kept (``whole``: asked of kept steps only)."""
+    """:func:`steps_to_delete` where a step ``whole`` refuses is neither deleted nor kept."""
     steps, damaged = sorted(set(steps)), set()
     while True:
         sound = [s for s in steps if s not in damaged]
@@ -404,8 +401,7 @@ class Lanes(SaveRule, KeepRule):
         return out
 
     def _lane_by_number(self, step: int) -> str:
-        """The lane of an earlier run's step: by its number when the permanent policy
-        goes by numbers only, else permanent (never removed by the temporary rule)."""
+        """The lane of an earlier run's step: by its number if it can tell, else permanent."""
         save = self.permanent.save
         if save.uses_time or save.watches_preemption:
             return PERMANENT

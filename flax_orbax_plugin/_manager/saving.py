@@ -503,17 +503,14 @@ class StepCommit:
         self._entries = entries
         self._digest = digest
         self._replace = opened.replace  # the step exists and is being replaced
-        # Each host's own directory: this host's marker, written before the sync; every
-        # process commits its own copy with the primary's manifest (see per_host).
-        self._host_marker = host_marker
+        self._host_marker = host_marker  # each host's own directory: written before the sync
         self._cancelled = opened.request.cancelled  # set: the save was interrupted
         self._writer = writer  # the manager's lock or lease: held still (before_commit)?
         self._lane = lane if lane in LANES else None  # recorded in the manifest (Lanes)
         self._op, self._region = "", _distributed.Region("manager-commit")  # run's, at run
         self._sizes: list[Written] = []  # this process's totals, for the manifest
         self._old_dirs: set[str] = set()  # object stores: the replaced step's item dirs
-        # (files, bytes) of the committed step as stored, counted by the process that
-        # committed it (the primary; each host its own copy); None elsewhere.
+        # (files, bytes) of the step as stored, where this process committed it; else None.
         self.stored: tuple[int, int | None] | None = None
 
     def run(self, op: str, region: _distributed.Region) -> Written:

@@ -27,8 +27,7 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 def checked_expect(expect: Any) -> tuple[str, ...]:
-    """``step_parts``'s ``expect=``: item names (a string is one), each once, at least
-    one; else an OptionTypeError or CheckpointError naming what was found."""
+    """``step_parts``'s ``expect=``: item names (a string is one), each once, at least one."""
     names = (expect,) if isinstance(expect, str) else expect
     if not isinstance(names, Iterable) or isinstance(names, bytes | dict):
         raise OptionTypeError(

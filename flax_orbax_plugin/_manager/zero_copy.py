@@ -144,8 +144,7 @@ class ZeroCopyStep:
         self.fresh_calls = 0
 
     def saved(self, items: dict[str, Any], handle: Any) -> None:
-        """A save of ``items`` (``handle``) returned from its blocking phase: its CPU
-        arrays are held as views until its writes are done."""
+        """A save of ``items`` (``handle``) returned: its CPU arrays are held as views."""
         if not _host_snapshot.cpu_views_are_snapshots():
             return  # the save copied what it writes: donating the state is safe
         leaves = jax.tree_util.tree_leaves(items)
@@ -185,8 +184,7 @@ class ZeroCopyStep:
         return out
 
     def _take_spare(self, treedef: Any, leaves: list, inputs: set[int]) -> list | None:
-        """The previous save's arrays as a spare for this state (buffers at ``inputs``),
-        or None: none, still writing, another layout, or a buffer shared with the state."""
+        """The previous save's arrays as a spare for this state (buffers at ``inputs``), or None."""
         spare, self._spare = self._spare, None
         if spare is None:
             return None

@@ -87,8 +87,7 @@ class DamagedSteps:
         self.remote.write_bytes(DAMAGED_FILE, raw)
 
     def set_aside(self, step: int, raw: bytes, error: Exception) -> None:
-        """Primary, after a verified copy-down proved ``step`` damaged: renamed aside, or
-        recorded (object stores); a failure to do so is logged (the damage is raised)."""
+        """Primary: ``step`` proven damaged, renamed aside or recorded (a failure: logged)."""
         text = str(error)
         try:
             if self.remote.supports_rename:
@@ -145,8 +144,7 @@ def _text(message: str) -> str:
 
 
 class CopyDown:
-    """Copies persistent steps down into the local tier, for restore (``damaged``: the
-    steps proven damaged, never copied down again)."""
+    """Copies persistent steps down into the local tier, for restore."""
 
     def __init__(self, places: Places, state: TierState, damaged: DamagedSteps):
         self._places = places
@@ -154,10 +152,8 @@ class CopyDown:
         self._damaged = damaged
 
     def ensure_local(self, step: int, region: _distributed.Region) -> bool:
-        """Training thread, on restore: makes ``step`` a committed local step, copying it
-        down when the local tier lacks it; False when neither tier has it;
-        CorruptCheckpointError (nothing left locally) when the copy fails its checks.
-        Collective (in ``region``): the primary copies and shares the outcome."""
+        """Training thread, on restore: makes ``step`` a committed local step (False when
+        neither tier has it). Collective (in ``region``): the primary copies, shares the outcome."""
         if not self._places.multi:
             return self._ensure_local(step)
         if self._places.per_host:
@@ -175,8 +171,7 @@ class CopyDown:
         return outcome == "present"
 
     def _each_ensure_local(self, step: int, region: _distributed.Region) -> bool:
-        """Each host's own directory: every process copies the step down into its own,
-        then the outcomes are shared: all restore it, or all raise."""
+        """Each host's own directory: every process copies the step down; all succeed or raise."""
         outcome, error = self._outcome(step)
         op = region.next_operation_id("tiers-copy-down")
         region.publish(op, outcome)
@@ -200,8 +195,7 @@ class CopyDown:
             return f"{kind}: {type(e).__name__}: {e}", e
 
     def _ensure_local(self, step: int) -> bool:
-        """Copies ``step`` down (see the module docstring); proven damage sets the
-        persistent copy aside, environmental errors and foreign entries do not."""
+        """Copies ``step`` down; only proven damage sets the persistent copy aside."""
         local, remote, state = self._places.local, self._places.remote, self._state
         local_final = _steps.step_location(local, step)
         if local_final.exists(MANIFEST_FILE):

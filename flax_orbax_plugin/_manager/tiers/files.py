@@ -137,8 +137,7 @@ def _check_sha(src: Location, rel: str, expected: str | None, found: str) -> Non
 
 
 def local_files(root: str, step: int) -> list[str]:
-    """Relative paths of the regular files under a local step directory, manifest and
-    pending marker excluded; a symlink or special file is a ForeignEntryError."""
+    """Relative paths of the regular files of a local step (not the manifest nor marker)."""
     return sorted(local_file_sizes(root, step))
 
 

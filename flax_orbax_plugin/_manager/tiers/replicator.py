@@ -77,8 +77,7 @@ class Rounds:
             self.region = _distributed.Region("tier-rounds", f"tier{self.prefix}")
 
     def copy(self, src: Any, dst: Any, files: list[str], manifest: Any) -> int:
-        """``files`` of ``src`` copied into ``dst`` (yielding to the manager's saves,
-        stopped with the tier, within its host memory); the bytes copied."""
+        """``files`` of ``src`` copied into ``dst`` (yielding to saves); the bytes copied."""
         return _files.copy_files(
             src,
             dst,
@@ -108,8 +107,7 @@ class Rounds:
         rnd.announced = True
 
     def finish(self, rnd: Round | None, outcome: str) -> None:
-        """Primary: publishes a round's outcome; a round that never got to copying is
-        announced with its outcome in it (the others then copy nothing)."""
+        """Primary: publishes a round's outcome (announced with it when nothing was copied)."""
         if rnd is None:
             return
         try:
@@ -123,8 +121,7 @@ class Rounds:
                 _distributed.publish_failure(self.region, e)
 
     def lead(self, rnd: Round, step: int, nonce: str, raw: bytes, nfiles: int | None) -> int:
-        """Primary: announces ``step``, copies its own share, gathers every process's
-        status; returns the bytes copied, or raises as :func:`check_statuses`."""
+        """Primary: announces ``step``, copies its share, gathers the statuses; bytes copied."""
         sha = hashlib.sha256(raw).hexdigest()
         self.announce(rnd, json.dumps({"step": step, "staging": nonce, "manifest": sha}))
         statuses = [self.copy_share(step, nonce, sha, rnd.key)]
@@ -136,8 +133,7 @@ class Rounds:
     # ------------------------------------------------------------------ every process
 
     def copy_share(self, step: int, nonce: str, manifest_sha: str, key: str) -> dict[str, Any]:
-        """Every process, in a round: copies its share of the local step's files into
-        the remote staging; returns its status (raises only Stopped, on the primary)."""
+        """Every process, in a round: copies its share into the remote staging; its status."""
         listing, total = None, None
         per_host = self._places.per_host
         try:
@@ -191,8 +187,7 @@ class Rounds:
     # ------------------------------------------------------------------ the others
 
     def follow(self) -> None:
-        """The replicator thread of a process other than the primary: takes part in the
-        primary's rounds, in order, until it announces ``stop``."""
+        """A non-primary's replicator thread: the primary's rounds, in order, until ``stop``."""
         try:
             self.in_region(self._follow)
         except Exception as e:  # noqa: BLE001  (the primary is gone or late)
@@ -354,8 +349,7 @@ class Replicator:
         self._damaged = damaged
 
     def run(self) -> None:
-        """The primary's replicator thread, until the tier stops; with several
-        processes it then announces ``stop`` to the others' replicators."""
+        """The primary's replicator thread, until the tier stops (then ``stop`` announced)."""
         state = self._state
         try:
             while True:
@@ -384,8 +378,7 @@ class Replicator:
                     logger.warning("checkpoint: could not end the replication rounds: %s", e)
 
     def replicate_with_retries(self, step: int) -> None:
-        """One queued step: copied, each attempt a round with several processes; a
-        failure is retried (:data:`RETRIES`), then kept as the tier's error."""
+        """One queued step copied, retried (:data:`RETRIES`), then kept as the tier's error."""
         for attempt in range(RETRIES + 1):
             rnd = Round(self._rounds.next_key(), step) if self._places.multi else None
             before = _steps.step_location(self._places.local, step).read_bytes(MANIFEST_FILE)
@@ -440,8 +433,7 @@ class Replicator:
         return False
 
     def _replicate(self, step: int, rnd: Round | None) -> bool:
-        """Copies one committed local step (``rnd``: every process its share, the primary
-        commits); returns False when there was nothing to do."""
+        """Copies one committed local step; False when there was nothing to do."""
         places, state = self._places, self._state
         src = _steps.step_location(places.local, step)
         raw = src.read_bytes(MANIFEST_FILE)
@@ -489,9 +481,8 @@ class Replicator:
     def _commit(
         self, step: int, rnd: Round | None, raw: bytes, manifest: StepManifest, files: list[str]
     ) -> int:
-        """Copies ``files`` (or in round ``rnd`` this process's share) into the step's
-        remote staging, then commits the manifest, last; nothing partial stays. Returns
-        the bytes copied."""
+        """Copies ``files`` (in round ``rnd``: this process's share), then commits the
+        manifest, last; nothing partial stays. Returns the bytes copied."""
         src = _steps.step_location(self._places.local, step)
         final = _steps.step_location(self._places.remote, step)
         nonce = secrets.token_hex(6)

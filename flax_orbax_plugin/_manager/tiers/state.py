@@ -79,19 +79,16 @@ class TierState:
     # This process's share of each step it helped commit: relative paths (for tests).
     copied_files: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     copied_down: list[int] = dataclasses.field(default_factory=list)  # tried, in order
-    # Each host's own directory: ``marker(step)``, the bytes of the host's marker a
-    # step copied down gets (set once by the manager's open, then only read).
+    # Each host's own directory: the marker a step copied down gets (set once at open).
     marker: Callable[[int], bytes] | None = None
     # Steps replicated whatever ``Tier(every=)`` says (the step saved on SIGTERM).
     forced: set[int] = dataclasses.field(default_factory=set)
-    # A copy up yields to the manager's own save (replicator thread): it waits while
-    # ``busy()``, within a step's window of MAX_DEFER_S from :meth:`start_yielding`.
+    # A copy up waits while ``busy()``, within MAX_DEFER_S from :meth:`start_yielding`.
     busy: Callable[[], bool] = lambda: False
     defer_until: float = 0.0
 
     def drop_older(self, step: int, kept_forever: Callable[[int], bool]) -> None:
-        """Under ``cond``: drop queued steps older than ``step`` that the persistent
-        retention would not keep forever (``step`` supersedes them)."""
+        """Under ``cond``: drops queued steps older than ``step`` not kept forever."""
         self.queue = {s for s in self.queue if s > step or kept_forever(s)}
 
     def enqueue(self, step: int, kept_forever: Callable[[int], bool]) -> None:
