@@ -243,9 +243,8 @@ def claim_directory(loc: Location, run: str, steps: list[int]) -> None:
         if record.run != run:
             raise CheckpointError(
                 f"{loc} belongs to run {record.run} but this run is {run} (its "
-                f"{_run_record.RUN_FILE} differs from the primary's places): this host's "
-                f"directory holds another run's steps, and mixing them would restore or "
-                f"delete the other's. Give this host a directory of its own for this run"
+                f"{_run_record.RUN_FILE}): mixing runs would restore or delete the other's "
+                "steps. Give this host a directory of its own for this run"
             )
         return
     foreign = [s for s in steps if (read_marker(loc, s)[0] or {}).get("run") != run]

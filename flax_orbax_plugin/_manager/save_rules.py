@@ -370,9 +370,8 @@ class Preemption:
                 return cls("jax")
             raise ValueError(
                 f"handle_sigterm=True with {_distributed.process_count()} processes needs "
-                "jax's preemption service, which is off (jax_enable_preemption_service=False "
-                "before jax.distributed.initialize): leave it on (every host then saves the "
-                "same step), or pass handle_sigterm=False and handle preemption yourself"
+                "jax's preemption service, which is off (jax_enable_preemption_service=False): "
+                "leave it on, or pass handle_sigterm=False and handle preemption yourself"
             )
         if threading.current_thread() is not threading.main_thread():
             raise ValueError("handle_sigterm=True must be set from the main thread")
