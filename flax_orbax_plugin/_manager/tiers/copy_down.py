@@ -24,8 +24,6 @@ from ..._storage.location import Location
 from . import files as _files
 from .state import Places, TierState
 
-__all__ = ["DAMAGED_FILE", "CopyDown", "DamagedSteps"]
-
 logger = logging.getLogger("flax_orbax_plugin")
 
 DAMAGED_FILE = "_DAMAGED.json"  # object stores: the record of the damaged steps

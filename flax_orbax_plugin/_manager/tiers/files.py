@@ -21,20 +21,6 @@ from .state import Stopped
 
 logger = logging.getLogger("flax_orbax_plugin")
 
-__all__ = [
-    "COPY_THREADS",
-    "FILE_COST_BYTES",
-    "check_listed",
-    "copy_files",
-    "listing_digest",
-    "local_file_sizes",
-    "local_files",
-    "parse_manifest",
-    "partition",
-    "read_local_file",
-    "read_remote_file",
-    "remote_files",
-]
 
 COPY_THREADS = 16  # files copied at once (object stores are latency-bound)
 PIECE_BYTES = 16 << 20  # local to local under a ceiling: a piece of a file, at most

@@ -36,8 +36,6 @@ from . import files as _files
 from .copy_down import DamagedSteps
 from .state import Places, Stopped, TierState
 
-__all__ = ["RETRIES", "RETRY_DELAY_S", "Replicator", "Rounds"]
-
 logger = logging.getLogger("flax_orbax_plugin")
 
 RETRIES = 2

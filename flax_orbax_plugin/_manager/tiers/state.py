@@ -18,8 +18,6 @@ from ..._storage.run_owner import RunOwner
 from ..events import Events
 from ..retention import KeepRule
 
-__all__ = ["MAX_DEFER_S", "Places", "Stopped", "TierState"]
-
 # A copy yields to the training loop's own save: it waits while a local save is in
 # flight (before each step and each file), but no longer than this per step, so a
 # loop that saves all the time still gets its steps replicated.

@@ -35,8 +35,6 @@ from .copy_down import CopyDown, DamagedSteps
 from .replicator import Replicator, Rounds
 from .state import Places, TierState
 
-__all__ = ["FIELDS", "PersistentTier", "Tier", "check_place", "refuse_idle"]
-
 logger = logging.getLogger("flax_orbax_plugin")
 
 
