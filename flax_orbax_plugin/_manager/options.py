@@ -386,28 +386,25 @@ def _resolve_tier(given: Mapping[str, Any]) -> dict[str, Any]:
         return dict(given)
     values = check(DEPRECATED, flat)
     fields = {name.removeprefix("persistent_"): v for name, v in values.items()}
-    path = given.get("persistent")
+    path, names = given.get("persistent"), ", ".join(f"{n}=" for n in flat)
     written = ", ".join(f"{k}={v!r}" for k, v in fields.items())
     if isinstance(path, Tier):  # refused before the warning (it would nest the Tier)
         raise OptionError(
-            f"{', '.join(f'{n}=' for n in flat)} and persistent={path!r} both configure the "
-            f"persistent tier: give {written} inside Tier(...) alone"
+            f"{names} and persistent={path!r} both configure the persistent tier: give "
+            f"{written} inside Tier(...) alone"
         )
-    warn_deprecated(
-        ", ".join(f"{n}=" for n in flat),
-        f"persistent=fop.Tier({'<path>' if path is None else repr(path)}, {written})",
-    )
+    shown = "<path>" if path is None else repr(path)
+    warn_deprecated(names, f"persistent=fop.Tier({shown}, {written})")
+    out = {k: v for k, v in given.items() if k not in flat}
     if path is None:
         defaults = {o.name: o.default for o in DEPRECATED}
         for name, value in values.items():
-            refuse_without(
-                name, value, "persistent= (the tier it configures)", default=defaults[name]
-            )
-        return {k: v for k, v in given.items() if k not in flat}
+            needs = "persistent= (the tier it configures)"
+            refuse_without(name, value, needs, default=defaults[name])
+        return out
     local = Location.from_path(_tiers_tier.PATH.check(path)).is_local
     full = with_defaults(_tiers_tier.FIELDS, fields)
     _tiers_tier.refuse_idle(full, local, name=lambda f: f"persistent_{f}")
-    out = {k: v for k, v in given.items() if k not in flat}
     out["persistent"] = Tier(path, **fields)
     return out
 
@@ -529,13 +526,8 @@ def _rules(value: Any, *, top: bool = True) -> Any:
 
 def check_callback(given: Mapping[str, Any], directory: Any) -> tuple[dict, dict]:
     """CheckpointCallback's ``directory`` and options checked: its options, its manager's."""
-    refuse_unknown(
-        "CheckpointCallback",
-        given,
-        CALLBACK,
-        hints=CALLBACK_HINTS,
-        inside=("manager_options", MANAGER),
-    )
+    inside = ("manager_options", MANAGER)  # its options are the manager's
+    refuse_unknown("CheckpointCallback", given, CALLBACK, hints=CALLBACK_HINTS, inside=inside)
     Location.from_path(directory)  # UnsupportedLocationError naming what it found
     out = with_defaults(CALLBACK, check(CALLBACK, given))
     if out["resume"] is not False:
@@ -545,12 +537,7 @@ def check_callback(given: Mapping[str, Any], directory: Any) -> tuple[dict, dict
         both = {"host_memory": given["host_memory"]} if "host_memory" in given else {}
         inner = _host_memory.take_old_name({**inner, **both}, owner="manager_options: ")
         out["host_memory"] = inner.pop("host_memory")
-    refuse_unknown(
-        "manager_options: CheckpointManager",
-        inner,
-        MANAGER + DEPRECATED,
-        hints=HINTS,
-    )
+    refuse_unknown("manager_options: CheckpointManager", inner, MANAGER + DEPRECATED, hints=HINTS)
     if inner.get("read_only") is True:  # a callback saves: its manager is a writer
         raise OptionError(
             "manager_options['read_only']=True: a CheckpointCallback saves, so its manager "

@@ -484,12 +484,7 @@ class SaveSchedule:
         return self._rule.label(self._moment(step, t)) is not None
 
     def decide(
-        self,
-        step: int,
-        t: float | None,
-        *,
-        forced: bool = False,
-        region: _distributed.Region,
+        self, step: int, t: float | None, *, forced: bool = False, region: _distributed.Region
     ) -> tuple[str | None, float]:
         """``(label, now)``: the lane ``step`` is saved in or None, and the decision's time."""
         moment = self._moment(step, t)

@@ -334,13 +334,7 @@ class Replicator:
     """Copies the primary's queued steps to the persistent tier (``rounds``: with the
     other processes; ``damaged``: steps a good copy replaces)."""
 
-    def __init__(
-        self,
-        places: Places,
-        state: TierState,
-        rounds: Rounds,
-        damaged: DamagedSteps,
-    ):
+    def __init__(self, places: Places, state: TierState, rounds: Rounds, damaged: DamagedSteps):
         self._places = places
         self._state = state
         self._rounds = rounds

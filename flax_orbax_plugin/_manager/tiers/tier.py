@@ -110,12 +110,7 @@ class PersistentTier:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def open(
-        self,
-        local_steps: Iterable[int],
-        *,
-        region: _distributed.Region,
-    ) -> None:
+    def open(self, local_steps: Iterable[int], *, region: _distributed.Region) -> None:
         """Cleans the persistent tier's unfinished copies, queues the local steps it lacks
         and starts the replicator thread. Collective, in the manager open's ``region``:
         the primary lists, decides what is missing and shares both."""
