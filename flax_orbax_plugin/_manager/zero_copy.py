@@ -285,7 +285,7 @@ def _check_aliased(wanted: set[int], keys: list[tuple], inputs: set[int], out: A
         return
     what = ", ".join(f"{path} {tuple(x.shape)} {x.dtype}" for path, x in missed[:5])
     raise CheckpointError(
-        f"wrap_step: the step after a save did not write into its spare buffers: "
+        f"wrap_step: the step after a save did not write into the spare buffers: "
         f"{len(missed)} outputs in fresh memory ({what}). jax must donate here, the outputs "
         "keep the state's shardings, and one thread calls the saves and the wrapped step"
     )
