@@ -379,7 +379,7 @@ def _guarded(method: Callable, call: str, alone_ok: bool) -> Callable:
 
 
 def _monitor(event: Event) -> None:
-    n = MONITORING_NAMES
+    n, duration = MONITORING_NAMES, jax.monitoring.record_event_duration_secs
     if isinstance(event, StepsRemoved):
         for s in event.removed:
             jax.monitoring.record_event(n["step_removed"], step=s)
@@ -388,14 +388,10 @@ def _monitor(event: Event) -> None:
     if isinstance(event, SaveStarted):
         jax.monitoring.record_event(n["save_started"], step=step)
     elif isinstance(event, SaveBlockingDone):
-        jax.monitoring.record_event_duration_secs(
-            n["save_blocking_secs"], event.blocking_seconds, step=step
-        )
+        duration(n["save_blocking_secs"], event.blocking_seconds, step=step)
     elif isinstance(event, SaveCommitted):
         jax.monitoring.record_event(n["save_committed"], step=step)
-        jax.monitoring.record_event_duration_secs(
-            n["save_background_secs"], event.background_seconds, step=step
-        )
+        duration(n["save_background_secs"], event.background_seconds, step=step)
         if event.bytes_written is not None:
             jax.monitoring.record_scalar(n["save_bytes"], event.bytes_written, step=step)
         if event.files_written is not None:
@@ -403,9 +399,9 @@ def _monitor(event: Event) -> None:
     elif isinstance(event, SaveFailed):
         jax.monitoring.record_event(n["save_failed"], step=step)
     elif isinstance(event, StepReplicated):
-        jax.monitoring.record_event_duration_secs(n["replicate_secs"], event.seconds, step=step)
+        duration(n["replicate_secs"], event.seconds, step=step)
         jax.monitoring.record_scalar(n["replicate_bytes"], event.bytes_copied, step=step)
     elif isinstance(event, RestoreDone):
-        jax.monitoring.record_event_duration_secs(n["restore_secs"], event.seconds, step=step)
+        duration(n["restore_secs"], event.seconds, step=step)
         if event.bytes_read is not None:
             jax.monitoring.record_scalar(n["restore_bytes"], event.bytes_read, step=step)

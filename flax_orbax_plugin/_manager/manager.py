@@ -75,10 +75,8 @@ def _leave_all() -> bool:
                 closed = "the program ended without closing its CheckpointManager"
                 manager.leave(error or CheckpointError(closed))
         except Exception as e:  # noqa: BLE001  (the program is ending: said, then the next)
-            said = f"{type(e).__name__}: {e}"
-            print(
-                f"flax_orbax_plugin: closing {manager._loc} at exit failed: {said}", file=sys.stderr
-            )
+            said = f"closing {manager._loc} at exit failed: {type(e).__name__}: {e}"
+            print(f"flax_orbax_plugin: {said}", file=sys.stderr)
             failed = failed or (alone and error is None)  # nobody else reads it: status 1
     return failed
 
@@ -199,15 +197,13 @@ class CheckpointManager(HookGuarded):
         self._check_writable()
         self._saver.wait()
         steps = list(dict.fromkeys(checked_step(step) for step in steps))  # each once
-        op = region.next_operation_id("manager-delete")
-        region.barrier(op)
+        region.barrier(region.next_operation_id("manager-delete"))
         if self._book.per_host:  # each host its own, agreed first
             _per_host.remove_steps(self._loc, steps, self.steps(), region)
         elif _distributed.is_primary():
             _housekeeping.remove_committed(self._loc, steps, self.steps())
         self._book.forget()  # the next need lists the store
-        op = region.next_operation_id("manager-delete")
-        region.barrier(op)
+        region.barrier(region.next_operation_id("manager-delete"))
 
     def latest_step(self, *, include_persistent: bool = True) -> int | None:
         """The highest committed step of either tier (``restore()``'s first), or None;

@@ -58,10 +58,8 @@ class DamagedSteps:
             for name, info in steps.items():
                 if not _steps.is_step_name(name) or not isinstance(info, dict):
                     raise ValueError(f"field steps: entry {name!r} is no step record")
-                current = self.remote.child(name).read_bytes(MANIFEST_FILE)
-                if current is not None and hashlib.sha256(current).hexdigest() == info.get(
-                    "manifest_sha256"
-                ):
+                sha = self._sha(name)
+                if sha is not None and sha == info.get("manifest_sha256"):
                     out[int(name)] = str(info.get("error", ""))
             return out
         except (ValueError, KeyError, TypeError, RecursionError) as e:
@@ -118,12 +116,12 @@ class DamagedSteps:
             )
 
     def _shas(self) -> dict[int, str]:
-        out = {}
-        for s in self.steps:
-            current = self.remote.child(str(s)).read_bytes(MANIFEST_FILE)
-            if current is not None:
-                out[s] = hashlib.sha256(current).hexdigest()
-        return out
+        return {s: sha for s in self.steps if (sha := self._sha(s)) is not None}
+
+    def _sha(self, step: int | str) -> str | None:
+        """The sha256 of ``step``'s manifest now (None: none)."""
+        current = self.remote.child(str(step)).read_bytes(MANIFEST_FILE)
+        return None if current is None else hashlib.sha256(current).hexdigest()
 
     def forget(self, step: int) -> None:
         """Replicator, after committing ``step``: a damaged copy it replaced is gone."""
@@ -157,8 +155,7 @@ class CopyDown:
         if self._places.per_host:
             return self._each_ensure_local(step, region)
         outcome, error = self._outcome(step) if self._places.primary else ("absent", None)
-        op = region.next_operation_id("tiers-copy-down")
-        outcome = region.broadcast_str(op, outcome)
+        outcome = region.broadcast_str(region.next_operation_id("tiers-copy-down"), outcome)
         if outcome.startswith(("corrupt", "failed")):
             if self._places.primary:
                 raise error
