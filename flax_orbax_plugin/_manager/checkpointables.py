@@ -36,8 +36,7 @@ from .._storage.location import Location
 
 
 def to_json(value: Any, where: str, depth: int = 0) -> Any:
-    """``value`` as JSON data (bytes as ``{"__bytes__": b64}``, NaN and infinities as
-    ``{"__float__": repr}``); what no reader accepts is refused here, naming ``where``."""
+    """``value`` as JSON data (bytes and non-finite floats tagged); refused naming ``where``."""
     if depth > _local_files.JSON_ITEM.max_depth:
         raise StructureError(
             f"{where}: nested more than {_local_files.JSON_ITEM.max_depth} levels deep, more "
@@ -148,8 +147,7 @@ def position_across_counts(
     process: int,
     read: Callable[[int], Any],
 ) -> int:
-    """The global position to continue from when ``saved`` processes saved the iterator
-    states and ``restoring`` restore them (``read(i)``: process i's decoded file)."""
+    """The global position ``restoring`` processes continue from what ``saved`` ones saved."""
     head = (
         f"{directory}: the data iterator states were saved by {saved} process(es) but "
         f"{restoring} are restoring"

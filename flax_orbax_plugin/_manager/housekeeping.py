@@ -81,8 +81,7 @@ def open_writer(
 
 def remove_unfinished(loc: Location, *, warn: bool = True) -> dict[str, str]:
     """Primary, at open and in ``gc``: removes what dead saves of ours left; returns
-    ``{name: error}`` of those it could not remove (WARNING each, so the run still
-    opens). ``warn``: the WARNING naming entries that are not ours."""
+    ``{name: error}`` of those it could not remove (WARNING each, so the run still opens)."""
     listing = _steps.list_directory(loc)
     stuck: dict[str, str] = {}
     for name in listing.unfinished:
@@ -196,8 +195,7 @@ SHARED = {
 
 
 def _describe(value: Any) -> Any:
-    """``value`` as JSON equal on two processes exactly when the option is (objects by
-    type and public plain attributes, functions by name, a clock left out)."""
+    """``value`` as JSON, equal on two processes exactly when the option is."""
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

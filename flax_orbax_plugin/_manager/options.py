@@ -439,8 +439,7 @@ def open_stall(given: Mapping[str, Any]) -> float | None:
 
 
 def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
-    """The manager's keyword options ``given`` checked (the flat ``persistent_*`` made a
-    Tier, warned); ``{name: value}`` of every option, the policies as rule objects."""
+    """The manager's options ``given`` checked: ``{name: value}``, policies as rule objects."""
     given = _host_memory.take_old_name(given)
     refuse_unknown("CheckpointManager", given, MANAGER + DEPRECATED, hints=HINTS)
     given = _resolve_tier(given)

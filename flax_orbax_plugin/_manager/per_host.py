@@ -192,9 +192,8 @@ def detect(
 
 
 def open_tier(loc: Location, tier: Any, own: bool, region: _distributed.Region) -> str | None:
-    """Collective (in the manager open's ``region``): opens ``tier`` with the local steps
-    of ``loc`` (``own``: those every host holds of this run); returns the run owning the
-    places (None unless ``own``), every host's directory claimed for it, or raises alike."""
+    """Collective (in ``region``): opens ``tier`` with the local steps of ``loc``; returns
+    the run owning the places (None unless ``own``), every host's directory claimed for it."""
     local_steps = _steps.committed_steps(loc)
     if own:
         mine = _open_view(loc, local_steps)
@@ -323,8 +322,7 @@ def peer_plan(offers: list[dict | None]) -> dict[int, int] | str:
 def fetch_from_peers(
     loc: Location, step: int, run: Any, holds: bool, region: _distributed.Region
 ) -> bool:
-    """Collective (in ``region``): way (b) for ``step`` (``holds``: this process has a
-    valid copy). True on every process when all now hold it committed, else False."""
+    """Collective (in ``region``): way (b) for ``step``; True when all now hold it committed."""
     doc = read_marker(loc, step)[0] if holds else None
     offers = region.gather_json("peer-offer", _offer(doc))
     chosen = peer_plan(offers)

@@ -245,8 +245,7 @@ class Restorer:
             logger.warning("checkpoint: could not move step %d aside: %s", step, e)
 
     def _agreed(self, step: int, fn: Callable[[int], Any], region: _distributed.Region) -> Any:
-        """:meth:`with_step` on every process together: when it fails on any process it
-        fails on all, so every process goes on to the same next step or raises."""
+        """:meth:`with_step` on every process together: a failure on one is raised on all."""
         if _distributed.process_count() == 1:
             return self.with_step(step, fn)
         result, error = None, None

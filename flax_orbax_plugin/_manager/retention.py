@@ -41,8 +41,7 @@ class StepFacts:
 
 
 class KeepRule:
-    """The protocol of a retention rule: :meth:`kept`, :attr:`metric_names`,
-    :attr:`deletes_anything`, :attr:`uses_time`; ``a | b`` keeps what either keeps."""
+    """The protocol of a retention rule; ``a | b`` keeps what either keeps."""
 
     deletes_anything = True  # without it no step is ever deleted (nothing to run)
     uses_time = False  # the facts' times matter (then they are the primary's, shared)

@@ -39,8 +39,7 @@ class Moment:
 
 
 class SaveRule:
-    """The protocol of a save policy: :meth:`wants`, :attr:`uses_time`,
-    :attr:`watches_preemption`; ``|`` and ``&`` combine two policies."""
+    """The protocol of a save policy; ``|`` and ``&`` combine two policies."""
 
     uses_time = False  # the decision depends on the time or the save in flight
     watches_preemption = False  # the manager must learn of preemption notices

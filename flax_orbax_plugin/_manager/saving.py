@@ -232,9 +232,8 @@ class Saver:
         replicate: bool,
         region: _distributed.Region,
     ) -> None:
-        """Blocking phase of every item, then the background write and commit (the save
-        in flight). ``replicate``: to the tier anyway (SIGTERM). Training thread, no save
-        in flight; a Ctrl-C is held to the blocking phase's end, then this save cancelled."""
+        """Blocking phase of every item, then the background commit; ``replicate``: SIGTERM's.
+        Training thread; a Ctrl-C is held to the blocking phase's end, then the save cancelled."""
         events = self._book.events
         arrays = {  # the items that hold arrays (JSON items are checked by their save)
             n: v

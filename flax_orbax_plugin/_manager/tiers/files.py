@@ -166,8 +166,7 @@ def partition(
     sizes: dict[str, int], n: int, holders: dict[str, list[int]] | None = None
 ) -> list[list[str]]:
     """The files of a step split among ``n`` processes alike on every process: largest
-    first, each to the least-loaded of its ``holders`` (None: all; a file weighs its
-    size plus :data:`FILE_COST_BYTES`). Each share is sorted."""
+    first, each to the least-loaded of its ``holders`` (None: all). Each share sorted."""
     loads = [0] * n
     shares: list[list[str]] = [[] for _ in range(n)]
     for rel in sorted(sizes, key=lambda r: (-sizes[r], r)):

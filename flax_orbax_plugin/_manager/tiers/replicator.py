@@ -273,8 +273,7 @@ class Rounds:
 
 
 def check_statuses(statuses: list[dict[str, Any]], nfiles: int | None) -> int:
-    """Primary: the bytes copied by a round's ``statuses``, or Stopped, or RoundFailed
-    naming the processes that failed or saw other files (or not ``nfiles`` copied)."""
+    """Primary: the bytes copied by a round's ``statuses``, or Stopped, or RoundFailed."""
     if any(s.get("stopped") for s in statuses):
         raise Stopped()
     failed = [f"process {p}: {s['error']}" for p, s in enumerate(statuses) if not s["ok"]]
@@ -331,8 +330,7 @@ def share_of_hosts(
 
 
 class Replicator:
-    """Copies the primary's queued steps to the persistent tier (``rounds``: with the
-    other processes; ``damaged``: steps a good copy replaces)."""
+    """Copies the primary's queued steps to the persistent tier."""
 
     def __init__(self, places: Places, state: TierState, rounds: Rounds, damaged: DamagedSteps):
         self._places = places

@@ -30,8 +30,7 @@ class Stopped(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Places:
-    """The two places of a tier and what is fixed about them (``remove_step``: the
-    manager's, so both tiers delete alike)."""
+    """The two places of a tier and what is fixed about them."""
 
     local: Location
     remote: Location
