@@ -379,12 +379,12 @@ BUILTIN_CHECKPOINTABLES: Mapping[str, Checkpointable] = {
 _DEFAULT = PytreeCheckpointable()
 
 
-def check_item_name(name: Any) -> str:
-    """``name`` if it is a safe checkpointable name, else StructureError."""
+def check_item_name(name: Any, option: str = "", error: type = StructureError) -> str:
+    """``name`` if it is a safe checkpointable name (one given in ``option``), else ``error``."""
     if not _layout.is_safe_name(name):
-        raise StructureError(
-            f"invalid checkpointable name {name!r}: use letters, digits, '_', '-', '.' "
-            "and do not start with '_' or '.'"
+        what = f"item name {name!r} in {option}" if option else f"checkpointable name {name!r}"
+        raise error(
+            f"invalid {what}: use letters, digits, '_', '-', '.' and do not start with '_' or '.'"
         )
     return name
 

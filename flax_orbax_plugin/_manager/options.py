@@ -33,21 +33,13 @@ from .checkpointables import (
     BUILTIN_CHECKPOINTABLES,
     Checkpointable,
     PytreeCheckpointable,
+    check_item_name,
     kind_of,
 )
 from .retention import KeepAny, KeepRule, Lane, Lanes, Retention
 from .save_rules import AllOf, AnyOf, SavePolicy, SaveRule
 from .tiers import tier as _tiers_tier
 from .tiers.tier import Tier
-
-
-def _name(name: Any, option: str) -> str:
-    if not _layout.is_safe_name(name):
-        raise ValueError(
-            f"invalid item name {name!r} in {option}: use letters, digits, '_', '-', '.' "
-            "and do not start with '_' or '.'"
-        )
-    return name
 
 
 def _compression(value: Any) -> Mapping[str, str]:
@@ -58,7 +50,7 @@ def _compression(value: Any) -> Mapping[str, str]:
             f"found {found(value)}{hint}"
         )
     for name, codec in value.items():
-        _name(name, "compression")
+        check_item_name(name, "compression", ValueError)
         _layout.check_codec(codec, where=f"compression[{name!r}]")
     return value
 
@@ -67,7 +59,7 @@ def _checkpointables(value: Any) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise TypeError(f"expected a dict {{item name: Checkpointable}}, found {found(value)}")
     for name, item in value.items():
-        _name(name, "checkpointables")
+        check_item_name(name, "checkpointables", ValueError)
         kind = kind_of(item)  # recorded in the manifest, read back by it
         methods = callable(getattr(item, "save", None)) and callable(getattr(item, "restore", None))
         if not methods or not isinstance(kind, str) or not kind:
