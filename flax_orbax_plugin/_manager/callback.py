@@ -1,7 +1,6 @@
-"""CheckpointCallback: checkpointing for a training loop in three calls.
-
-All on the training thread, in order: ``on_train_start`` once, ``on_step_end`` after every
-step (or ``cb(step)`` in a CLU hooks list), ``on_train_end`` once.
+"""CheckpointCallback: checkpointing for a training loop in three calls, all on the training
+thread, in order: ``on_train_start`` once, ``on_step_end`` after every step (or ``cb(step)``
+in a CLU hooks list), ``on_train_end`` once.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.callback``.
 """

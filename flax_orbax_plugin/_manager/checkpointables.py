@@ -1,7 +1,6 @@
 """Checkpointables: the protocol and the built-ins (pytrees, JSON items, data-iterator states).
-
-``save`` runs the blocking phase on the training thread; the manager calls its
-``Pending.wait`` from its background thread, on every process; ``restore`` on the caller's.
+``save`` runs on the training thread, ``Pending.wait`` on the manager's background thread
+(every process), ``restore`` on the caller's.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.checkpointables``.
 """

@@ -1,7 +1,5 @@
-"""The checkpoint event records (handed to ``on_event=`` and ``jax.monitoring``).
-
-The hook is never called by two threads at once; which thread sends each event, and in
-which order, is in the design notes.
+"""The checkpoint event records (handed to ``on_event=`` and ``jax.monitoring``). The hook
+is never called by two threads at once; which thread sends each event: the design notes.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.events``.
 """

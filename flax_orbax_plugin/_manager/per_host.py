@@ -1,8 +1,6 @@
 """Each host's own local directory: saving, the persistent tier and restore ways (way b:
 a step from a peer over jax collectives) of a manager whose processes see no shared one.
-
-Collective where they say so: every process calls them in the same order, on the
-training thread.
+Collective where they say so: every process calls them in one order, on the training thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.per_host``.
 """

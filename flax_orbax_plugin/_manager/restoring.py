@@ -1,7 +1,5 @@
-"""Restorer: reads a step of a manager's directory back.
-
-Threading: the training thread, after the in-flight save was waited for;
-:meth:`Restorer.with_step` marks the step as being read (retention never deletes it).
+"""Restorer: reads a step of a manager's directory back, on the training thread, after the
+save in flight; :meth:`Restorer.with_step` marks the step as being read (never deleted).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.restoring``.
 """

@@ -1,7 +1,5 @@
 """Retention as small composable objects: which committed steps a manager keeps; and
-lanes, two save policies each with its own retention.
-
-Pure values; any thread.
+lanes, two save policies each with its own retention. Pure values; any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.retention``.
 """

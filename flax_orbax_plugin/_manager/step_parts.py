@@ -1,7 +1,5 @@
-"""StepParts: one manager step saved in parts, from several calls, committed once.
-
-The training thread makes every call; with several processes each call is collective,
-in the same order on every process.
+"""StepParts: one manager step saved in parts, from several calls, committed once. The
+training thread makes every call; with several processes each is collective, in one order.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.step_parts``.
 """

@@ -1,8 +1,6 @@
-"""Zero-copy saves: a training step that never donates what a save still holds.
-
-The training thread calls the wrapped step and the manager's ``save``; the manager tells
-the step what each save holds (``ZeroCopyStep.saved``) from that thread, after the
-save's blocking phase.
+"""Zero-copy saves: a training step that never donates what a save still holds. The
+training thread calls the wrapped step and ``save``, which then tells the step what it
+holds (``ZeroCopyStep.saved``).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.zero_copy``.
 """
