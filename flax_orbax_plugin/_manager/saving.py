@@ -39,7 +39,7 @@ from .._core.handle import Cancellation, raise_if_cancelled
 from .._core.save import SaveHandle, SaveResult, Staging, wait_for_data
 from .._errors import CheckpointError, SaveCancelledError, StructureError
 from .._format import layout as _layout
-from .._format.layout import ItemEntry, StepManifest
+from .._format.layout import HOST_FILE, ItemEntry, StepManifest
 from .._format.records import LANES, MANIFEST_FILE
 from .._incremental import reuse as _reuse
 from .._incremental.reuse import Reuse
@@ -539,22 +539,18 @@ class StepCommit:
         out = []
         for name, pending in self._pendings.items():
             snap = getattr(pending, "snap", None)
-            lines = (
-                [f": {self._entries[name].kind}"]
-                if snap is None
-                else [f"/{line}" for line in structure_lines(snap.leaves)]
-            )
-            out.extend(name + line for line in lines)
+            if snap is None:
+                out.append(f"{name}: {self._entries[name].kind}")
+            else:
+                out.extend(f"{name}/{line}" for line in structure_lines(snap.leaves))
         return out
 
     def _commit_own_copies(self, op: str) -> None:
         """Each host's own directory: every process commits its copy with the primary's manifest."""
         if _distributed.is_primary():
-            failed = []
-            for p in range(1, _distributed.process_count()):
-                report = self._region.get_from(f"{op}/local", p)
-                if report != "ok":
-                    failed.append(f"process {p}: {report}")
+            count = _distributed.process_count()
+            reports = {p: self._region.get_from(f"{op}/local", p) for p in range(1, count)}
+            failed = [f"process {p}: {r}" for p, r in reports.items() if r != "ok"]
             if failed:
                 raise CheckpointError(
                     f"step {self._step} of {self._loc} is committed on process 0 but not "
@@ -566,8 +562,7 @@ class StepCommit:
             self._staging.publish(MANIFEST_FILE, raw.encode(), replace=True)
             self.stored = measure_stored(self._staging.final)
         except BaseException as e:
-            error = f"{type(e).__name__}: {e}"
-            self._region.publish(f"{op}/local", error)
+            self._region.publish(f"{op}/local", f"{type(e).__name__}: {e}")
             self._abort()
             raise
         self._region.publish(f"{op}/local", "ok")
@@ -589,9 +584,7 @@ class StepCommit:
                 files.update({f"{d}/{f}": h for f, h in result.files.items()})
         if self._host_marker is not None:
             self._check_own_items()
-            self._staging.location.write_bytes(
-                _per_host.HOST_FILE, self._host_marker, durable=False
-            )
+            self._staging.location.write_bytes(HOST_FILE, self._host_marker, durable=False)
         self._staging.location.sync()
         _env.kill_point("after_sync")
         self._sizes.append(Written(total, files, reused))
