@@ -231,8 +231,7 @@ class Rounds:
             self.region.publish(f"{key}/status", json.dumps(status))
             # The primary may spend up to one timeout gathering statuses.
             wait = 2 * self.region.stall_timeout()
-            said = f"{key}/outcome"
-            outcome = self.region.broadcast_str(said, None, timeout_s=wait)
+            outcome = self.region.broadcast_str(f"{key}/outcome", None, timeout_s=wait)
         self._settle(step, outcome)
 
     def _await_round(self, key: str) -> str | None:
@@ -297,11 +296,7 @@ def check_statuses(statuses: list[dict[str, Any]], nfiles: int | None) -> int:
 
 
 def share_of_hosts(
-    key: str,
-    sizes,
-    manifest,
-    region: _distributed.Region,
-    error: BaseException | None = None,
+    key: str, sizes, manifest, region: _distributed.Region, error: BaseException | None = None
 ):
     """Each host's own directory, every process in a round: publishes its listing (or
     ``error``), gathers every host's; returns (its share of the union, the union's
@@ -442,9 +437,8 @@ class Replicator:
         if state.owner is not None:
             state.owner.renew()  # at each step too; raises if another run took the path
         # A foreign entry with the step's name is never written into nor replaced.
-        found = _ownership.check_slot(
-            final, what=f"step {step} of the persistent tier", replace=True
-        )
+        what = f"step {step} of the persistent tier"
+        found = _ownership.check_slot(final, what=what, replace=True)
         t0 = time.perf_counter()
         if not final.supports_rename and found == "step manifest":
             places.remove_step(places.remote, step)  # an older copy of ours: uncommit, remove
