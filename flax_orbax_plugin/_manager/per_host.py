@@ -329,10 +329,8 @@ def fetch_from_peers(
         return False
     me, t0, errors = _distributed.process_index(), time.perf_counter(), []
     for donor in sorted(set(chosen.values())):
-        takers = sorted(r for r, d in chosen.items() if d == donor)
-        given = doc if me == donor else None
-        error = _from_donor(loc, step, run, donor, me in takers, given, region)
-        errors.append(error)
+        take, given = chosen.get(me) == donor, (doc if me == donor else None)
+        errors.append(_from_donor(loc, step, run, donor, take, given, region))
     error = next((e for e in errors if e is not None), None)
     views = region.gather_json("peer-commit", error)
     bad = [f"process {p}: {v}" for p, v in enumerate(views) if v is not None]

@@ -393,8 +393,7 @@ class Preemption:
 
         self._asked = step
         self._answer = bool(multihost_utils.reached_preemption_sync_point(step))
-        if self._answer:
-            self.notified = True
+        self.notified = self.notified or self._answer
         return self._answer
 
     def uninstall(self) -> None:
