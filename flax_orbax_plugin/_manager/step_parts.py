@@ -143,13 +143,11 @@ class StepParts:
         if self._state != "open":
             done = "is committing" if self._state == "committing" else "was given up"
             raise CheckpointError(
-                f"step_parts: {what} {done}; part {name!r} not saved (open the step again "
-                f"with manager.step_parts to save it)"
+                f"step_parts: {what} {done}; part {name!r} not saved (open the step again)"
             )
         if name in self._saved:
             raise CheckpointError(
-                f"step_parts: part {name!r} of {what} is saved already (saved: "
-                f"{list(self._saved)}); each expected part is saved once"
+                f"step_parts: part {name!r} of {what} is saved already (saved: {list(self._saved)})"
             )
         if name not in self._expect:
             raise CheckpointError(
