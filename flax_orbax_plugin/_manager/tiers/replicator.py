@@ -97,8 +97,6 @@ class Rounds:
         self._round += 1
         return key
 
-    # ------------------------------------------------------------------ the primary
-
     def announce(self, rnd: Round, decision: str) -> None:
         """Primary: publishes a round's decision (a JSON object, or ``stop``)."""
         self.region.broadcast_str(rnd.key, decision)
@@ -127,8 +125,6 @@ class Rounds:
             got = self.region.get_from(f"{rnd.key}/status", p)
             statuses.append(json.loads(got))
         return check_statuses(statuses, nfiles)
-
-    # ------------------------------------------------------------------ every process
 
     def copy_share(self, step: int, nonce: str, manifest_sha: str, key: str) -> dict[str, Any]:
         """Every process, in a round: copies its share into the remote staging; its status."""
@@ -181,8 +177,6 @@ class Rounds:
         if self._places.per_host:
             sizes.pop(HOST_FILE, None)  # this host's marker stays here
         return manifest, sizes
-
-    # ------------------------------------------------------------------ the others
 
     def follow(self) -> None:
         """A non-primary's replicator thread: the primary's rounds, in order, until ``stop``."""

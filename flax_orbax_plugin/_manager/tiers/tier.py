@@ -108,8 +108,6 @@ class PersistentTier:
         """Steps this tier tried to copy down, in order."""
         return self._state.copied_down
 
-    # ------------------------------------------------------------------ lifecycle
-
     def open(self, local_steps: Iterable[int], *, region: _distributed.Region) -> None:
         """Cleans the persistent tier's unfinished copies, queues the local steps it lacks
         and starts the replicator thread. Collective, in the manager open's ``region``:
