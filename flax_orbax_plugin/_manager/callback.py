@@ -34,8 +34,7 @@ class CheckpointCallback:
     # __init__'s docstring and signature: from options.CALLBACK (options.document)
 
     def __init__(self, directory: str, **options: Any):
-        # Refused on some processes only: published in a region drawn for it now, the
-        # one the others draw for their manager's open, so they raise at once there.
+        # Refused on some processes only: said in the region the others' manager open draws.
         try:
             values, self._manager_options = _options.check_callback(options, directory)
         except Exception:

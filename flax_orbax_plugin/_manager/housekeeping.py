@@ -55,8 +55,7 @@ def open_writer(
     removal of dead saves' remains, then one meeting. Returns the lock or lease held."""
     dir_lock = None
     if loc.is_local and (own or _distributed.is_primary()):
-        # One writer per directory: the primary holds the lock for all processes
-        # of a run (the others write only through the primary's commit protocol).
+        # One writer per directory: the primary holds the lock for all processes of a run.
         made = not os.path.isdir(loc.path)
         loc.makedirs()
         dir_lock = DirectoryLock(loc.path, made_directory=made)
@@ -224,7 +223,6 @@ def _describe(value: Any) -> Any:
 
 
 def shared_view(opts: Any) -> dict[str, Any]:
-    """The options of ``opts`` (a ``ManagerOptions``) that every process must share."""
     return {field: _describe(getattr(opts, field)) for field in SHARED}
 
 

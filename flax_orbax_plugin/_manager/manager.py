@@ -579,7 +579,6 @@ class CheckpointManager(HookGuarded):
         self._close(self.wait)
 
     def _close(self, meet: Callable[[], None]) -> None:
-        """:meth:`close`, meeting the other processes with ``meet``."""
         if self._closed:
             return
         self._drop_parts()  # a step open in parts: given up

@@ -540,8 +540,7 @@ def check_callback(given: Mapping[str, Any], directory: Any) -> tuple[dict, dict
                 f"manager_options[{name!r}]: {name} is an option of CheckpointCallback "
                 f"itself (it would override it there); give {name}= to the callback"
             )
-    # The callback's own shorthands go to its manager unless the object that covers
-    # them is in manager_options (then only those given explicitly: an error there).
+    # The callback's shorthands go to its manager unless manager_options holds their object.
     grouped = {n for option, _, names in _GROUPS if inner.get(option) is not None for n in names}
     shared = {n: out[n] for n in SHARED_WITH_MANAGER if n in given or n not in grouped}
     kwargs = _resolve_tier({**shared, **inner})

@@ -167,7 +167,6 @@ class StepBook:
             self._lanes.setdefault(step, lane)
 
     def lane_of(self, step: int) -> str | None:
-        """The lane ``step`` was saved in (None: not known)."""
         with self.lock:
             return self._lanes.get(step)
 
@@ -372,8 +371,7 @@ class RetentionRunner:
         facts = self._facts(steps)
         saved_here, _ = self._book.dated()  # committed by this manager: known whole
         # The newest step is kept as well as the one this pass was run for: a pass that
-        # runs late (its step's commit, then the next step's, then this pass) must not
-        # delete the step a resume would read.
+        # runs late must not delete the step a resume would read.
         newest = {max(steps)} if steps else set()
         protected = asked | newest | self._book.being_read()
         tier = self._book.tier

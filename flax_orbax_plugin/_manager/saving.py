@@ -154,7 +154,6 @@ class Saver:
         return "writing" if self.in_flight else None
 
     def raise_background_error(self) -> None:
-        """Re-raises the error of a save that failed in the background, if any."""
         handle = self.inflight
         if handle is not None and handle.done():
             self.wait()
@@ -377,8 +376,7 @@ class Saver:
         opened.handlers.update(handlers)
         pendings: dict[str, Pending] = {}
         name = None
-        # Small items first (step, extras, the iterator's position: read on this thread),
-        # so that no synchronous read of a device value waits behind the arrays' transfers.
+        # Small items first: no synchronous read of a device value waits behind the arrays.
         order = sorted(items, key=lambda n: kind_of(handlers[n]) not in _READ_FIRST)
         try:
             for name in order:

@@ -119,7 +119,6 @@ class DamagedSteps:
         return {s: sha for s in self.steps if (sha := self._sha(s)) is not None}
 
     def _sha(self, step: int | str) -> str | None:
-        """The sha256 of ``step``'s manifest now (None: none)."""
         current = self.remote.child(str(step)).read_bytes(MANIFEST_FILE)
         return None if current is None else hashlib.sha256(current).hexdigest()
 

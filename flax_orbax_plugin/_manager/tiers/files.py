@@ -24,9 +24,7 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 COPY_THREADS = 16  # files copied at once (object stores are latency-bound)
 PIECE_BYTES = 16 << 20  # local to local under a ceiling: a piece of a file, at most
-# A file costs this much beyond its bytes when shares are balanced (object stores are
-# latency-bound: a thousand small files are not free).
-FILE_COST_BYTES = 1 << 16
+FILE_COST_BYTES = 1 << 16  # a file's cost beyond its bytes when shares are balanced
 
 
 def copy_files(

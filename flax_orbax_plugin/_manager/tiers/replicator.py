@@ -87,7 +87,6 @@ class Rounds:
         )
 
     def in_region(self, run) -> None:
-        """Runs a replicator thread's ``run`` in the rounds' region."""
         with self.region.resumed():
             run()
 
@@ -195,7 +194,6 @@ class Rounds:
                 self._state.cond.notify_all()
 
     def _follow(self) -> None:
-        """:meth:`follow`'s rounds, in its region."""
         state = self._state
         while True:
             key = self.next_key()

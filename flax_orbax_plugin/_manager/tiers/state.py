@@ -18,8 +18,7 @@ from ..._storage.run_owner import RunOwner
 from ..events import Events
 from ..retention import KeepRule
 
-# A copy yields to the training loop's own save: it waits while a local save is in
-# flight (before each step and each file), but no longer than this per step, so a
+# A copy waits while a local save is in flight, but no longer than this per step, so a
 # loop that saves all the time still gets its steps replicated.
 MAX_DEFER_S = 10.0
 
