@@ -216,10 +216,8 @@ def _describe(value: Any) -> Any:
         return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
     simple = (str, int, float, bool, type(None))
     public = {k: v for k, v in getattr(value, "__dict__", {}).items() if not k.startswith("_")}
-    return {
-        "type": type(value).__qualname__,
-        **{k: v for k, v in public.items() if isinstance(v, simple)},
-    }
+    plain = {k: v for k, v in public.items() if isinstance(v, simple)}
+    return {"type": type(value).__qualname__, **plain}
 
 
 def shared_view(opts: Any) -> dict[str, Any]:

@@ -120,10 +120,8 @@ class Restorer:
                     self._set_aside(candidate, e)
         if skipped:
             error = skipped[0][1]  # the latest step's own error, naming its file
-            error.add_note(
-                f"no step of {self._loc} restores; skipped: "
-                + "; ".join(f"step {s}: {e}" for s, e in skipped)
-            )
+            said = "; ".join(f"step {s}: {e}" for s, e in skipped)
+            error.add_note(f"no step of {self._loc} restores; skipped: {said}")
             raise error
         if shut:  # every step was shut: the newest one's own error
             raise shut[0][1]
