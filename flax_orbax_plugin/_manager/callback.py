@@ -258,7 +258,8 @@ class CheckpointCallback:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        """Closes; with an error leaving the block, the manager's ``leave``."""
+        """Closes; with an error leaving the block, the manager's ``leave``: the save in
+        flight ends, then the other processes learn that this one left (none waits)."""
         if exc_type is None or self._manager is None:
             self.close()
             return

@@ -156,8 +156,7 @@ def valid_steps(loc: Location, steps: list[int], run: Any, *, quiet: bool = Fals
 
 def agreed_time(region: _distributed.Region) -> float:
     """Collective (in ``region``): the primary's clock, a per-host step's ``created_at``."""
-    op = region.next_operation_id("per-host-time")
-    return float(region.broadcast_str(op, repr(time.time())))
+    return float(region.broadcast_str(region.next_operation_id("per-host-time"), repr(time.time())))
 
 
 def detect(

@@ -67,8 +67,7 @@ class TierState:
     stop: bool = False
     closing_since: float | None = None  # other processes: close() was called
     error: ReplicationError | None = None
-    # Other processes: the steps the primary has started rounds for.
-    round_steps: set[int] = dataclasses.field(default_factory=set)
+    round_steps: set[int] = dataclasses.field(default_factory=set)  # followers: steps in rounds
     owner: RunOwner | None = None  # the primary's, from open()
     events: Events = dataclasses.field(default_factory=Events)  # the manager's, at construction
     replicated: list[int] = dataclasses.field(default_factory=list)  # committed, in order
@@ -77,8 +76,7 @@ class TierState:
     copied_down: list[int] = dataclasses.field(default_factory=list)  # tried, in order
     # Each host's own directory: the marker a step copied down gets (set once at open).
     marker: Callable[[int], bytes] | None = None
-    # Steps replicated whatever ``Tier(every=)`` says (the step saved on SIGTERM).
-    forced: set[int] = dataclasses.field(default_factory=set)
+    forced: set[int] = dataclasses.field(default_factory=set)  # replicated whatever every= says
     # A copy up waits while ``busy()``, within MAX_DEFER_S from :meth:`start_yielding`.
     busy: Callable[[], bool] = lambda: False
     defer_until: float = 0.0
