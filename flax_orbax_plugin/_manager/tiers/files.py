@@ -37,13 +37,10 @@ def copy_files(
     stopped: Callable[[], bool],
     memory_limit: int | None = None,
 ) -> int:
-    """Copies ``files`` (relative paths, not the manifest) from the step ``src`` into
-    ``dst``, checking the sha256 of each JSON file the manifest lists; ``before_file()``
-    runs before each, then :class:`Stopped` if ``stopped()``. Returns the bytes copied.
-
-    Host memory: without ``memory_limit``, :data:`COPY_THREADS` whole files at a time;
-    under it, local to local each thread streams its file in pieces (a share of the
-    limit), else one file at a time (a file above the limit held whole, WARNING)."""
+    """Copies ``files`` (not the manifest) from the step ``src`` into ``dst``, each JSON
+    file's sha256 checked; ``before_file()`` runs before each, then :class:`Stopped` if
+    ``stopped()``. Returns the bytes copied. Without ``memory_limit``, :data:`COPY_THREADS`
+    whole files at a time; under it, local to local each thread streams pieces, else one."""
     streamed = memory_limit is not None and src.is_local and dst.is_local
     threads = COPY_THREADS if memory_limit is None or streamed else 1
     piece = (

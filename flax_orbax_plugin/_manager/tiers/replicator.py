@@ -58,8 +58,7 @@ class Round:
 
 
 class Rounds:
-    """The rounds of one tier: their key-value :attr:`prefix` (agreed at open) and the
-    next round's number (the same sequence on every process; replicator thread only)."""
+    """The rounds of one tier: their :attr:`prefix` and next number (replicator thread)."""
 
     def __init__(self, places: Places, state: TierState):
         self._places = places
@@ -290,9 +289,8 @@ def check_statuses(statuses: list[dict[str, Any]], nfiles: int | None) -> int:
 def share_of_hosts(
     key: str, sizes, manifest, region: _distributed.Region, error: BaseException | None = None
 ):
-    """Each host's own directory, every process in a round: publishes its listing (or
-    ``error``), gathers every host's; returns (its share of the union, the union's
-    digest, its size). CheckpointError when the hosts' copies do not add up."""
+    """Each host's own directory, every process in a round: its listing (or ``error``)
+    shared; returns its share of the union, the union's digest and its size."""
     mine = {"error": f"{type(error).__name__}: {error}"} if error else {"sizes": sizes}
     region.publish(key, json.dumps(mine))
     listings = [json.loads(v) for v in region.gather_str(key)]
