@@ -1,7 +1,6 @@
-"""CheckpointCallback: checkpointing for a training loop in three calls.
-
-All on the training thread, in order: ``on_train_start`` once, ``on_step_end`` after every
-step (or ``cb(step)`` in a CLU hooks list), ``on_train_end`` once.
+"""CheckpointCallback: checkpointing for a training loop in three calls, all on the training
+thread, in order: ``on_train_start`` once, ``on_step_end`` after every step (or ``cb(step)``
+in a CLU hooks list), ``on_train_end`` once.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.callback``.
 """
@@ -35,8 +34,7 @@ class CheckpointCallback:
     # __init__'s docstring and signature: from options.CALLBACK (options.document)
 
     def __init__(self, directory: str, **options: Any):
-        # Refused on some processes only: published in a region drawn for it now, the
-        # one the others draw for their manager's open, so they raise at once there.
+        # Refused on some processes only: said in the region the others' manager open draws.
         try:
             values, self._manager_options = _options.check_callback(options, directory)
         except Exception:
@@ -218,10 +216,8 @@ class CheckpointCallback:
             raise first
 
     def _run_over(self, call: str) -> CheckpointError:
-        return CheckpointError(
-            f"{call} after on_train_end (step {self._ended}): this callback's run is over; "
-            f"use a new CheckpointCallback for another run"
-        )
+        over = f"after on_train_end (step {self._ended}): this callback's run is over"
+        return CheckpointError(f"{call} {over}; use a new CheckpointCallback for another run")
 
     def __call__(self, step: int, t: float | None = None) -> bool:
         """CLU-style hook: reads the state from ``state_fn`` and calls ``on_step_end``."""
@@ -315,9 +311,8 @@ class CheckpointCallback:
             self._finish_inflight(block=True)
 
     def _finish_inflight(self, *, block: bool) -> None:
-        """Reports the save in flight once committed (``block`` False: not if it runs); a
-        background failure raises here. This process's own wait, never the collective
-        ``wait`` (a barrier one process entered would hold it until the others poll)."""
+        """Reports the save in flight once committed (``block`` False: not if it runs).
+        This process's own wait, never the collective ``wait`` (the others do not poll)."""
         if self._inflight is None:
             return
         handle = self._inflight_handle

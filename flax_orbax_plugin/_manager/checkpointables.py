@@ -1,7 +1,6 @@
 """Checkpointables: the protocol and the built-ins (pytrees, JSON items, data-iterator states).
-
-``save`` runs the blocking phase on the training thread; the manager calls its
-``Pending.wait`` from its background thread, on every process; ``restore`` on the caller's.
+``save`` runs on the training thread, ``Pending.wait`` on the manager's background thread
+(every process), ``restore`` on the caller's.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.checkpointables``.
 """
@@ -36,9 +35,7 @@ from .._storage.location import Location
 
 
 def to_json(value: Any, where: str, depth: int = 0) -> Any:
-    """``value`` as JSON data (bytes as ``{"__bytes__": b64}``, NaN and infinities as
-    ``{"__float__": repr}``); what no reader accepts (text UTF-8 cannot encode, nesting
-    past ``JSON_ITEM``) is refused here, on the caller's thread, naming ``where``."""
+    """``value`` as JSON data (bytes and non-finite floats tagged); refused naming ``where``."""
     if depth > _local_files.JSON_ITEM.max_depth:
         raise StructureError(
             f"{where}: nested more than {_local_files.JSON_ITEM.max_depth} levels deep, more "
@@ -149,9 +146,7 @@ def position_across_counts(
     process: int,
     read: Callable[[int], Any],
 ) -> int:
-    """The global position to continue from when ``saved`` processes saved the iterator
-    states and ``restoring`` restore them (``read(i)``: process i's decoded file);
-    StructureError naming both counts when no one global position continues them all."""
+    """The global position ``restoring`` processes continue from what ``saved`` ones saved."""
     head = (
         f"{directory}: the data iterator states were saved by {saved} process(es) but "
         f"{restoring} are restoring"
@@ -325,8 +320,7 @@ class StepCheckpointable(JsonCheckpointable):
 
 
 class DataIteratorCheckpointable:
-    """The position of a data iterator, one JSON file per process; ``restore`` sets it
-    on ``like`` and returns it (``like=None``: this process's decoded state)."""
+    """The position of a data iterator, one JSON file per process, set on ``like``."""
 
     kind = "data_iterator"
 
@@ -344,8 +338,7 @@ class DataIteratorCheckpointable:
     def restore(self, directory: Location, like: Any, request: ReadRequest = _READ) -> Any:
         manifest = _layout.manifest_for_item(directory)
         if manifest is not None and manifest.process_count != jax.process_count():
-            # another process count: only a global position carries over (like=None:
-            # process 0's state, the same on every process)
+            # another process count: only a global position carries over
             read = functools.partial(self._read, directory)
             at = position_across_counts(
                 directory,
@@ -385,12 +378,12 @@ BUILTIN_CHECKPOINTABLES: Mapping[str, Checkpointable] = {
 _DEFAULT = PytreeCheckpointable()
 
 
-def check_item_name(name: Any) -> str:
-    """``name`` if it is a safe checkpointable name, else StructureError."""
+def check_item_name(name: Any, option: str = "", error: type = StructureError) -> str:
+    """``name`` if it is a safe checkpointable name (one given in ``option``), else ``error``."""
     if not _layout.is_safe_name(name):
-        raise StructureError(
-            f"invalid checkpointable name {name!r}: use letters, digits, '_', '-', '.' "
-            "and do not start with '_' or '.'"
+        what = f"item name {name!r} in {option}" if option else f"checkpointable name {name!r}"
+        raise error(
+            f"invalid {what}: use letters, digits, '_', '-', '.' and do not start with '_' or '.'"
         )
     return name
 
@@ -449,8 +442,7 @@ def with_requests(checkpointable: Any) -> Checkpointable:
 
 
 def warn_unheld(named: set[str], items: Mapping[str, Any]) -> set[str]:
-    """At a manager's first save: warns of each item ``named`` by ``checkpointables=`` or
-    ``compression=`` that the save does not hold (a misspelling); returns the empty set."""
+    """Warns of each item ``named`` that a first save does not hold; returns the empty set."""
     unheld = sorted(named - set(items))
     if unheld:
         warnings.warn(

@@ -1,7 +1,5 @@
-"""The checkpoint event records (handed to ``on_event=`` and ``jax.monitoring``).
-
-The hook is never called by two threads at once; which thread sends each event, and in
-which order, is in the design notes.
+"""The checkpoint event records (handed to ``on_event=`` and ``jax.monitoring``). The hook
+is never called by two threads at once; which thread sends each event: the design notes.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.events``.
 """
@@ -193,8 +191,7 @@ MONITORING_NAMES: Mapping[str, str] = {
 
 
 def stored_size(location: Location, dirs: Iterable[str] = ("",)) -> tuple[int, int | None]:
-    """``(files, bytes)`` stored under ``dirs`` of ``location`` (no link followed; an
-    object store's listing gives no sizes: bytes None)."""
+    """``(files, bytes)`` stored under ``dirs`` of ``location`` (bytes None on object stores)."""
     files, size = 0, 0
     for d in dirs:
         where = location.child(d) if d else location
@@ -259,8 +256,7 @@ class Events:
         self.hook = hook
         self._lock = threading.RLock()
         self._error: EventHookError | None = None  # the first not raised yet
-        # (thread id, event) of each hook call running, innermost last (under _lock:
-        # one thread's at a time; a hook's restore delivers RestoreDone inside it).
+        # (thread id, event) of each hook call running, innermost last (under _lock).
         self._delivering: list[tuple[int, Event]] = []
 
     def delivering(self) -> Event | None:
@@ -285,8 +281,7 @@ class Events:
         )
 
     def emit(self, event: Event) -> None:
-        """Records ``event`` and calls the hook; what it raises is logged and kept (as an
-        EventHookError), never raised here, but for a Ctrl-C on the main thread."""
+        """Records ``event`` and calls the hook; what it raises is logged and kept."""
         with self._lock:
             try:
                 _monitor(event)
@@ -338,16 +333,14 @@ class Events:
             raise kept
 
     def raise_after_save(self, step: int) -> None:
-        """As a save of ``step`` returns, with one process: :meth:`raise_error`, its
-        ``saved_step`` set (with several, :meth:`agree` raises it)."""
+        """With one process, :meth:`raise_error` as a save of ``step`` returns."""
         kept = self._take() if _distributed.process_count() == 1 else None
         if kept is not None:
             kept.saved_step = step
             raise kept
 
     def agree(self, kind: str, region: _distributed.Region, *, what: str) -> None:
-        """Collective (in ``region``, as a barrier): raises on every process a hook error
-        of this process, else of another (naming it)."""
+        """Collective (a barrier in ``region``): any process's hook error raised on all."""
         region.agree(kind, self._take(), what=what)
 
     def save_failed(self, step: int, directory: str, phase: str, error: BaseException) -> None:
@@ -361,9 +354,8 @@ class Events:
 
 
 class HookGuarded:
-    """A base of the manager: its calls that wait for its save, retention or copy threads
-    (``restore`` too, but with one process), called from its on_event hook, raise
-    HookReentryError before anything else (before a region is drawn); a subclass's too."""
+    """A base of the manager: its calls that wait for its own threads (``restore`` too, with
+    several processes), called from its on_event hook, raise HookReentryError first."""
 
     _REFUSED = ("save", "step_parts", "wait", "wait_for_save", "delete", "gc", "close", "leave")
 
@@ -385,7 +377,7 @@ def _guarded(method: Callable, call: str, alone_ok: bool) -> Callable:
 
 
 def _monitor(event: Event) -> None:
-    n = MONITORING_NAMES
+    n, duration = MONITORING_NAMES, jax.monitoring.record_event_duration_secs
     if isinstance(event, StepsRemoved):
         for s in event.removed:
             jax.monitoring.record_event(n["step_removed"], step=s)
@@ -394,14 +386,10 @@ def _monitor(event: Event) -> None:
     if isinstance(event, SaveStarted):
         jax.monitoring.record_event(n["save_started"], step=step)
     elif isinstance(event, SaveBlockingDone):
-        jax.monitoring.record_event_duration_secs(
-            n["save_blocking_secs"], event.blocking_seconds, step=step
-        )
+        duration(n["save_blocking_secs"], event.blocking_seconds, step=step)
     elif isinstance(event, SaveCommitted):
         jax.monitoring.record_event(n["save_committed"], step=step)
-        jax.monitoring.record_event_duration_secs(
-            n["save_background_secs"], event.background_seconds, step=step
-        )
+        duration(n["save_background_secs"], event.background_seconds, step=step)
         if event.bytes_written is not None:
             jax.monitoring.record_scalar(n["save_bytes"], event.bytes_written, step=step)
         if event.files_written is not None:
@@ -409,9 +397,9 @@ def _monitor(event: Event) -> None:
     elif isinstance(event, SaveFailed):
         jax.monitoring.record_event(n["save_failed"], step=step)
     elif isinstance(event, StepReplicated):
-        jax.monitoring.record_event_duration_secs(n["replicate_secs"], event.seconds, step=step)
+        duration(n["replicate_secs"], event.seconds, step=step)
         jax.monitoring.record_scalar(n["replicate_bytes"], event.bytes_copied, step=step)
     elif isinstance(event, RestoreDone):
-        jax.monitoring.record_event_duration_secs(n["restore_secs"], event.seconds, step=step)
+        duration(n["restore_secs"], event.seconds, step=step)
         if event.bytes_read is not None:
             jax.monitoring.record_scalar(n["restore_bytes"], event.bytes_read, step=step)

@@ -1,7 +1,5 @@
 """Housekeeping of a directory of steps: what a manager checks and clears at open, and
-the options every process must open a writer with (compared there, one collective round).
-
-Functions; called on the training thread (at open, in ``gc`` and ``delete``).
+the options every process must open a writer with. Training thread (open, gc, delete).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.housekeeping``.
 """
@@ -53,13 +51,11 @@ def refuse_step_directory(loc: Location) -> None:
 def open_writer(
     loc: Location, *, own: bool = False, region: _distributed.Region
 ) -> DirectoryLock | _lease.Lease | None:
-    """A writer's open, on every process, in ``region``: the primary's lock (or lease on
-    object stores) and removal of dead saves' remains (``own``: every process its own),
-    then one meeting. Returns the lock or lease held."""
+    """A writer's open, on every process, in ``region``: the primary's lock (or lease) and
+    removal of dead saves' remains, then one meeting. Returns the lock or lease held."""
     dir_lock = None
     if loc.is_local and (own or _distributed.is_primary()):
-        # One writer per directory: the primary holds the lock for all processes
-        # of a run (the others write only through the primary's commit protocol).
+        # One writer per directory: the primary holds the lock for all processes of a run.
         made = not os.path.isdir(loc.path)
         loc.makedirs()
         dir_lock = DirectoryLock(loc.path, made_directory=made)
@@ -84,8 +80,7 @@ def open_writer(
 
 def remove_unfinished(loc: Location, *, warn: bool = True) -> dict[str, str]:
     """Primary, at open and in ``gc``: removes what dead saves of ours left; returns
-    ``{name: error}`` of those it could not remove (WARNING each, so the run still
-    opens). ``warn``: the WARNING naming entries that are not ours."""
+    ``{name: error}`` of those it could not remove (WARNING each, so the run still opens)."""
     listing = _steps.list_directory(loc)
     stuck: dict[str, str] = {}
     for name in listing.unfinished:
@@ -139,8 +134,7 @@ def _live(loc: Location, name: str) -> bool:
 
 
 def rolls_forward(loc: Location, name: str, listing: _steps.Listing) -> bool:
-    """Whether unfinished ``name`` is a ``.partial-`` holding a valid manifest whose step
-    is missing (a crash between the renames of a replacement): to be finished."""
+    """Whether unfinished ``name`` is a replacement to finish (a crash between its renames)."""
     step_name, _, kind = name.partition(".")  # (a step written in place has no kind)
     if not kind.startswith("partial-") or int(step_name) in listing.committed:
         return False
@@ -200,8 +194,7 @@ SHARED = {
 
 
 def _describe(value: Any) -> Any:
-    """``value`` as JSON equal on two processes exactly when the option is (objects by
-    type and public plain attributes, functions by name, a clock left out)."""
+    """``value`` as JSON, equal on two processes exactly when the option is."""
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -223,20 +216,16 @@ def _describe(value: Any) -> Any:
         return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
     simple = (str, int, float, bool, type(None))
     public = {k: v for k, v in getattr(value, "__dict__", {}).items() if not k.startswith("_")}
-    return {
-        "type": type(value).__qualname__,
-        **{k: v for k, v in public.items() if isinstance(v, simple)},
-    }
+    plain = {k: v for k, v in public.items() if isinstance(v, simple)}
+    return {"type": type(value).__qualname__, **plain}
 
 
 def shared_view(opts: Any) -> dict[str, Any]:
-    """The options of ``opts`` (a ``ManagerOptions``) that every process must share."""
     return {field: _describe(getattr(opts, field)) for field in SHARED}
 
 
 def check_same_options(opts: Any, region: _distributed.Region) -> None:
-    """Collective (a writer's open, in ``region``): CoordinationError on every process
-    naming each option whose :func:`shared_view` differs, and each process's value."""
+    """Collective (a writer's open): each option whose :func:`shared_view` differs, refused."""
     if _distributed.process_count() == 1:
         return
     views = region.gather_json("manager-options", shared_view(opts))

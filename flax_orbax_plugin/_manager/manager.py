@@ -1,6 +1,4 @@
-"""CheckpointManager: a directory of training steps (the façade), and how it ends:
-``close`` (with the other processes), ``leave`` (after an error ended this process's
-part of the run: with none of them; the others learn at once, ``_base.failures``).
+"""CheckpointManager: a directory of training steps (the façade), and how it ends.
 
 One training thread owns a manager; a save's writes and commit run on a background
 thread, retention on a deletion thread; a background error is re-raised by the next
@@ -56,10 +54,8 @@ _OPEN: weakref.WeakSet = weakref.WeakSet()
 
 
 def _leave_all() -> bool:
-    """The library's exit hook (``_base.host``: before ``atexit``'s, after the saves still
-    running were waited for) for the writers not closed. One process: a program that
-    ended well closes each, one that raised shuts it (threads stopped, lock or lease
-    released); several: each leaves the run (the others learn at once that it left)."""
+    """The exit hook (``_base.host``) for the writers not closed: one process closes each
+    (or shuts it after an uncaught error); several: each leaves the run."""
     error = getattr(sys, "last_value", None)  # set by now for an uncaught exception
     alone = _distributed.process_count() == 1
     failed = False
@@ -79,17 +75,14 @@ def _leave_all() -> bool:
                 closed = "the program ended without closing its CheckpointManager"
                 manager.leave(error or CheckpointError(closed))
         except Exception as e:  # noqa: BLE001  (the program is ending: said, then the next)
-            said = f"{type(e).__name__}: {e}"
-            print(
-                f"flax_orbax_plugin: closing {manager._loc} at exit failed: {said}", file=sys.stderr
-            )
+            said = f"closing {manager._loc} at exit failed: {type(e).__name__}: {e}"
+            print(f"flax_orbax_plugin: {said}", file=sys.stderr)
             failed = failed or (alone and error is None)  # nobody else reads it: status 1
     return failed
 
 
 def _places(bound: dict[str, Any]) -> list[Any]:
-    """The stores a manager's call may reach: its directory and its persistent tier
-    (``directory``: the argument, or the property once __init__ has set it)."""
+    """The stores a manager's call may reach: its directory and its persistent tier."""
     tier = (bound.get("options") or {}).get("persistent")
     own = getattr(bound["self"], "directory", None)
     return [bound.get("directory"), getattr(tier, "path", tier), own]
@@ -140,8 +133,7 @@ class CheckpointManager(HookGuarded):
                 self._start(opts)
 
     def _open(self, opts: _options.ManagerOptions, events: Events, region) -> dict[str, Any]:
-        """A writer's open, in ``region``, before the book is built (shared options, lock,
-        housekeeping, tier); returns what the book is built with."""
+        """A writer's open, in ``region``; returns what the book is built with."""
         _housekeeping.check_same_options(opts, region)  # before anything is touched
         tier, path = opts.tier, None if opts.tier is None else opts.tier.path
         own = _per_host.detect(self._loc, path, opts.incremental, opts.format_version, region)
@@ -205,15 +197,13 @@ class CheckpointManager(HookGuarded):
         self._check_writable()
         self._saver.wait()
         steps = list(dict.fromkeys(checked_step(step) for step in steps))  # each once
-        op = region.next_operation_id("manager-delete")
-        region.barrier(op)
+        region.barrier(region.next_operation_id("manager-delete"))
         if self._book.per_host:  # each host its own, agreed first
             _per_host.remove_steps(self._loc, steps, self.steps(), region)
         elif _distributed.is_primary():
             _housekeeping.remove_committed(self._loc, steps, self.steps())
         self._book.forget()  # the next need lists the store
-        op = region.next_operation_id("manager-delete")
-        region.barrier(op)
+        region.barrier(region.next_operation_id("manager-delete"))
 
     def latest_step(self, *, include_persistent: bool = True) -> int | None:
         """The highest committed step of either tier (``restore()``'s first), or None;
@@ -315,8 +305,7 @@ class CheckpointManager(HookGuarded):
         return True
 
     def _end_inflight(self, step: int, *, supersede: bool, preempted: bool) -> None:
-        """``save``'s wait for the save in flight, or superseding its cancel (unless it
-        replaced a cancelled save itself: then at least every other save commits)."""
+        """Waits for the save in flight, or cancels it (not twice in a row: ``supersede=``)."""
         if supersede and (preempted or not self._replaced):
             self._replaced = self._saver.supersede(step)
         else:
@@ -325,14 +314,10 @@ class CheckpointManager(HookGuarded):
             self._replaced = False
 
     def _items(self, state: Any, data_iterator: Any, extras: Any) -> tuple[dict, Any]:
-        """``save``'s items and extras (a callable called now: only for a step that is
-        saved; a mapping, as metrics go by name)."""
-        extras = extras() if callable(extras) else extras
+        extras = extras() if callable(extras) else extras  # only for a step that is saved
         if extras is not None and not isinstance(extras, Mapping):
-            raise OptionTypeError(
-                f"extras (or what extras_fn returned): expected a dict of JSON values, "
-                f"found {found(extras)}"
-            )
+            what = "extras (or what extras_fn returned)"
+            raise OptionTypeError(f"{what}: expected a dict of JSON values, found {found(extras)}")
         items = collect_items(state, data_iterator, extras)
         if self._unheld:  # the first save: a name that matched no item warns, once
             self._unheld = _checkpointables.warn_unheld(self._unheld, items)
@@ -363,9 +348,8 @@ class CheckpointManager(HookGuarded):
         overwrite = flag("overwrite", overwrite)
         if self._book.per_host:
             raise CheckpointError(
-                f"step_parts: {self._loc} is each host's own directory (a persistent tier "
-                f"with a local path per host); saving a step in parts needs a directory "
-                f"every host shares: save the step whole with manager.save"
+                f"step_parts: {self._loc} is each host's own directory; a step in parts needs "
+                "a directory every host shares: save the step whole with manager.save"
             )
         with _not_saved(step):
             self._saver.wait()
@@ -402,7 +386,6 @@ class CheckpointManager(HookGuarded):
             )
 
     def _drop_parts(self) -> None:
-        """Closing or leaving with a step still open in parts: it is given up (WARNING)."""
         parts, self._parts = self._parts, None
         if parts is not None and parts.open:
             logger.warning(
@@ -526,11 +509,9 @@ class CheckpointManager(HookGuarded):
         self._meet(region)
 
     def _meet(self, region: _distributed.Region) -> None:
-        """:meth:`wait`'s body, in ``region`` (its own, or a save's that stops: ``_close``)."""
         self._saver.wait()
         self._retainer.wait()
-        # Retention runs on the primary only: meet so that every process lists the same
-        # steps (and learns of a hook's error on any of them: events.agree).
+        # Retention runs on the primary only: every process then lists the same steps.
         self._book.events.agree("manager-wait", region, what=f"wait of {self._loc}")
 
     def _check_open(self) -> None:
@@ -598,8 +579,6 @@ class CheckpointManager(HookGuarded):
         self._close(self.wait)
 
     def _close(self, meet: Callable[[], None]) -> None:
-        """:meth:`close`, meeting the other processes with ``meet`` (the public ``wait``,
-        or ``_meet`` in the region of a save that stops the run)."""
         if self._closed:
             return
         self._drop_parts()  # a step open in parts: given up
@@ -635,8 +614,7 @@ class CheckpointManager(HookGuarded):
             self._shut()
 
     def _shut(self, *, refused: bool = False) -> None:
-        """Stops the threads and releases the lock; ``refused``: the writer's open failed,
-        and the lock file (and directory) it made go too."""
+        """Stops the threads, releases the lock; ``refused``: the lock file made goes too."""
         if self._book.tier is not None:
             self._book.tier.close(0, raise_errors=False)
         self._closed = True
@@ -659,8 +637,7 @@ class CheckpointManager(HookGuarded):
             self.leave(exc)
 
     def __del__(self):
-        # No module global here: at interpreter exit they may be None already (a manager
-        # whose constructor raised, still referenced, printed "Exception ignored").
+        # No module global here: at interpreter exit they may be None already.
         try:
             if not getattr(self, "_closed", True):
                 self._release_lock()
@@ -675,7 +652,6 @@ class CheckpointManager(HookGuarded):
 def _check_save_call(
     *, step: Any, ignore_policy: Any, force: Any, overwrite: Any, t: Any
 ) -> tuple[int, bool]:
-    """``(step, ignore_policy)`` checked (``options.SAVE_CALL``; ``force=`` warned)."""
     out = check(
         SAVE_CALL,
         dict(step=step, ignore_policy=ignore_policy, force=force, overwrite=overwrite, t=t),

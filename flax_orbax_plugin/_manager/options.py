@@ -1,8 +1,5 @@
 """The options of CheckpointManager and CheckpointCallback, each declared once and
-checked once where they enter, before anything is made; a save policy and a retention
-leave here as rule objects; the two classes' signatures and docstrings are derived from
-the declarations (:func:`document`, once per class at import). Pure functions, on the
-constructing thread.
+checked once where they enter. Pure functions, on the constructing thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.options``.
 """
@@ -36,21 +33,13 @@ from .checkpointables import (
     BUILTIN_CHECKPOINTABLES,
     Checkpointable,
     PytreeCheckpointable,
+    check_item_name,
     kind_of,
 )
 from .retention import KeepAny, KeepRule, Lane, Lanes, Retention
 from .save_rules import AllOf, AnyOf, SavePolicy, SaveRule
 from .tiers import tier as _tiers_tier
 from .tiers.tier import Tier
-
-
-def _name(name: Any, option: str) -> str:
-    if not _layout.is_safe_name(name):
-        raise ValueError(
-            f"invalid item name {name!r} in {option}: use letters, digits, '_', '-', '.' "
-            "and do not start with '_' or '.'"
-        )
-    return name
 
 
 def _compression(value: Any) -> Mapping[str, str]:
@@ -61,7 +50,7 @@ def _compression(value: Any) -> Mapping[str, str]:
             f"found {found(value)}{hint}"
         )
     for name, codec in value.items():
-        _name(name, "compression")
+        check_item_name(name, "compression", ValueError)
         _layout.check_codec(codec, where=f"compression[{name!r}]")
     return value
 
@@ -70,7 +59,7 @@ def _checkpointables(value: Any) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise TypeError(f"expected a dict {{item name: Checkpointable}}, found {found(value)}")
     for name, item in value.items():
-        _name(name, "checkpointables")
+        check_item_name(name, "checkpointables", ValueError)
         kind = kind_of(item)  # recorded in the manifest, read back by it
         methods = callable(getattr(item, "save", None)) and callable(getattr(item, "restore", None))
         if not methods or not isinstance(kind, str) or not kind:
@@ -389,28 +378,25 @@ def _resolve_tier(given: Mapping[str, Any]) -> dict[str, Any]:
         return dict(given)
     values = check(DEPRECATED, flat)
     fields = {name.removeprefix("persistent_"): v for name, v in values.items()}
-    path = given.get("persistent")
+    path, names = given.get("persistent"), ", ".join(f"{n}=" for n in flat)
     written = ", ".join(f"{k}={v!r}" for k, v in fields.items())
     if isinstance(path, Tier):  # refused before the warning (it would nest the Tier)
         raise OptionError(
-            f"{', '.join(f'{n}=' for n in flat)} and persistent={path!r} both configure the "
-            f"persistent tier: give {written} inside Tier(...) alone"
+            f"{names} and persistent={path!r} both configure the persistent tier: give "
+            f"{written} inside Tier(...) alone"
         )
-    warn_deprecated(
-        ", ".join(f"{n}=" for n in flat),
-        f"persistent=fop.Tier({'<path>' if path is None else repr(path)}, {written})",
-    )
+    shown = "<path>" if path is None else repr(path)
+    warn_deprecated(names, f"persistent=fop.Tier({shown}, {written})")
+    out = {k: v for k, v in given.items() if k not in flat}
     if path is None:
         defaults = {o.name: o.default for o in DEPRECATED}
         for name, value in values.items():
-            refuse_without(
-                name, value, "persistent= (the tier it configures)", default=defaults[name]
-            )
-        return {k: v for k, v in given.items() if k not in flat}
+            needs = "persistent= (the tier it configures)"
+            refuse_without(name, value, needs, default=defaults[name])
+        return out
     local = Location.from_path(_tiers_tier.PATH.check(path)).is_local
     full = with_defaults(_tiers_tier.FIELDS, fields)
     _tiers_tier.refuse_idle(full, local, name=lambda f: f"persistent_{f}")
-    out = {k: v for k, v in given.items() if k not in flat}
     out["persistent"] = Tier(path, **fields)
     return out
 
@@ -437,8 +423,7 @@ def _refuse_both(given: Mapping[str, Any]) -> None:
 
 
 def open_stall(given: Mapping[str, Any]) -> float | None:
-    """The manager open's own stall timeout, read before its region is drawn; None where
-    invalid (:func:`check_manager` refuses it then)."""
+    """The open's stall timeout, read before its region is drawn; None where invalid."""
     try:
         return STALL_TIMEOUT.check(given.get("stall_timeout"))
     except (OptionError, TypeError):
@@ -446,8 +431,7 @@ def open_stall(given: Mapping[str, Any]) -> float | None:
 
 
 def check_manager(given: Mapping[str, Any]) -> dict[str, Any]:
-    """The manager's keyword options ``given`` checked (the flat ``persistent_*`` made a
-    Tier, warned); ``{name: value}`` of every option, the policies as rule objects."""
+    """The manager's options ``given`` checked: ``{name: value}``, policies as rule objects."""
     given = _host_memory.take_old_name(given)
     refuse_unknown("CheckpointManager", given, MANAGER + DEPRECATED, hints=HINTS)
     given = _resolve_tier(given)
@@ -512,8 +496,7 @@ def _compose(out: dict[str, Any]) -> None:
 
 
 def _rules(value: Any, *, top: bool = True) -> Any:
-    """``value`` with each SavePolicy or Retention in it, nested too, replaced by its
-    rule objects (a SavePolicy's ``clock`` below the top is refused: it would be dropped)."""
+    """``value`` with each SavePolicy or Retention in it, nested too, made rule objects."""
     if isinstance(value, SavePolicy) and not top and value.clock is not _CLOCK_DEFAULT:
         raise OptionError(
             f"{value!r}: the clock= of a SavePolicy inside another rule or a Lane is not "
@@ -534,13 +517,8 @@ def _rules(value: Any, *, top: bool = True) -> Any:
 
 def check_callback(given: Mapping[str, Any], directory: Any) -> tuple[dict, dict]:
     """CheckpointCallback's ``directory`` and options checked: its options, its manager's."""
-    refuse_unknown(
-        "CheckpointCallback",
-        given,
-        CALLBACK,
-        hints=CALLBACK_HINTS,
-        inside=("manager_options", MANAGER),
-    )
+    inside = ("manager_options", MANAGER)  # its options are the manager's
+    refuse_unknown("CheckpointCallback", given, CALLBACK, hints=CALLBACK_HINTS, inside=inside)
     Location.from_path(directory)  # UnsupportedLocationError naming what it found
     out = with_defaults(CALLBACK, check(CALLBACK, given))
     if out["resume"] is not False:
@@ -550,12 +528,7 @@ def check_callback(given: Mapping[str, Any], directory: Any) -> tuple[dict, dict
         both = {"host_memory": given["host_memory"]} if "host_memory" in given else {}
         inner = _host_memory.take_old_name({**inner, **both}, owner="manager_options: ")
         out["host_memory"] = inner.pop("host_memory")
-    refuse_unknown(
-        "manager_options: CheckpointManager",
-        inner,
-        MANAGER + DEPRECATED,
-        hints=HINTS,
-    )
+    refuse_unknown("manager_options: CheckpointManager", inner, MANAGER + DEPRECATED, hints=HINTS)
     if inner.get("read_only") is True:  # a callback saves: its manager is a writer
         raise OptionError(
             "manager_options['read_only']=True: a CheckpointCallback saves, so its manager "
@@ -567,8 +540,7 @@ def check_callback(given: Mapping[str, Any], directory: Any) -> tuple[dict, dict
                 f"manager_options[{name!r}]: {name} is an option of CheckpointCallback "
                 f"itself (it would override it there); give {name}= to the callback"
             )
-    # The callback's own shorthands go to its manager unless the object that covers
-    # them is in manager_options (then only those given explicitly: an error there).
+    # The callback's shorthands go to its manager unless manager_options holds their object.
     grouped = {n for option, _, names in _GROUPS if inner.get(option) is not None for n in names}
     shared = {n: out[n] for n in SHARED_WITH_MANAGER if n in given or n not in grouped}
     kwargs = _resolve_tier({**shared, **inner})
@@ -712,9 +684,7 @@ CALLBACK_DOC = """Resume at train start, save on a policy, flush at train end.
 
 
 def document(cls: type, template: str, declared: Iterable[Option]) -> None:
-    """Sets ``cls.__doc__`` (``template`` with its ``{options}`` list) and the signature
-    of ``cls.__init__`` (``self``, ``directory``, then every option keyword-only) from
-    ``declared``."""
+    """Sets ``cls.__doc__`` and the signature of ``cls.__init__`` from ``declared``."""
     declared = tuple(declared)
     cls.__doc__ = template.format(options=doc_lines(declared, indent="      "))
     positional = inspect.Parameter.POSITIONAL_OR_KEYWORD

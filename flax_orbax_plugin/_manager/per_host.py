@@ -1,9 +1,6 @@
-"""Each host's own local directory: saving, the persistent tier and restore ways of a
-manager whose processes each see a directory no other sees (way b: a step from a peer
-over jax collectives).
-
-Collective where they say so: every process calls them in the same order, on the
-training thread.
+"""Each host's own local directory: saving, the persistent tier and restore ways (way b:
+a step from a peer over jax collectives) of a manager whose processes see no shared one.
+Collective where they say so: every process calls them in one order, on the training thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.per_host``.
 """
@@ -106,8 +103,7 @@ def own_marker(step: int, run: str | None, items: Mapping[str, Any]) -> bytes:
 def host_marker(
     step: int, run: str | None, layout: str, hosts: list | None = None, held: dict | None = None
 ) -> bytes:
-    """The bytes of this host's :data:`HOST_FILE` for ``step``; ``hosts`` and ``held``:
-    as :func:`own_marker` makes them (None: a copy of every region)."""
+    """The bytes of this host's :data:`HOST_FILE` (``hosts`` None: a copy of every region)."""
     doc = {
         "held": held,
         "format": _FORMAT,
@@ -130,8 +126,7 @@ def read_marker(loc: Location, step: int) -> tuple[dict | None, str | None]:
 
 
 def _marker_problem(loc: Location, step: int, run: Any) -> str | None:
-    """What differs from this process of this run (None: any run) with today's
-    process->device map in the marker of ``step``; None when nothing."""
+    """What differs in ``step``'s marker from this process of ``run`` (None: any run)."""
     doc, problem = read_marker(loc, step)
     if doc is None:
         return problem
@@ -160,10 +155,8 @@ def valid_steps(loc: Location, steps: list[int], run: Any, *, quiet: bool = Fals
 
 
 def agreed_time(region: _distributed.Region) -> float:
-    """Collective (in the save's ``region``): the primary's clock on every process, the
-    ``created_at`` of a per-host step (every host writes the same bytes)."""
-    op = region.next_operation_id("per-host-time")
-    return float(region.broadcast_str(op, repr(time.time())))
+    """Collective (in ``region``): the primary's clock, a per-host step's ``created_at``."""
+    return float(region.broadcast_str(region.next_operation_id("per-host-time"), repr(time.time())))
 
 
 def detect(
@@ -173,8 +166,7 @@ def detect(
     format_version: int | None,
     region: _distributed.Region,
 ) -> bool:
-    """Collective, at a writer's open (in its ``region``): whether each process has its
-    own directory (only with a persistent tier). Creates this process's directory."""
+    """Collective, at a writer's open: whether each process has its own directory."""
     if persistent is None or not loc.is_local or _distributed.process_count() == 1:
         return False
     loc.makedirs()
@@ -184,11 +176,8 @@ def detect(
             f"{loc}: incremental=True is not supported with a directory per host (each "
             f"process sees its own {loc.path}); use a shared directory or incremental=False"
         )
-    if (
-        own
-        and format_version is not None
-        and not _formats.for_version(format_version).per_host_directories
-    ):
+    version = None if format_version is None else _formats.for_version(format_version)
+    if own and version is not None and not version.per_host_directories:
         raise CheckpointError(
             f"{loc}: format_version={format_version} is not supported yet with a directory "
             f"per host (each process sees its own {loc.path}); use format_version=1 or a "
@@ -200,9 +189,8 @@ def detect(
 
 
 def open_tier(loc: Location, tier: Any, own: bool, region: _distributed.Region) -> str | None:
-    """Collective (in the manager open's ``region``): opens ``tier`` with the local steps
-    of ``loc`` (``own``: those every host holds of this run); returns the run owning the
-    places (None unless ``own``), every host's directory claimed for it, or raises alike."""
+    """Collective (in ``region``): opens ``tier`` with the local steps of ``loc``; returns
+    the run owning the places (None unless ``own``), every host's directory claimed for it."""
     local_steps = _steps.committed_steps(loc)
     if own:
         mine = _open_view(loc, local_steps)
@@ -245,16 +233,14 @@ def _open_view(loc: Location, steps: list[int]) -> dict:
 
 def claim_directory(loc: Location, run: str, steps: list[int]) -> None:
     """A non-primary host's own directory taken for ``run`` (``docs/run_owner.md``): its
-    run record must name ``run``; without one, every committed step's marker must, and
-    the record is written. CheckpointError otherwise, nothing touched."""
+    run record, else every step's marker, must name ``run`` (then the record is written)."""
     record = _lease.read_record(loc)  # CorruptCheckpointError when malformed
     if record is not None:
         if record.run != run:
             raise CheckpointError(
                 f"{loc} belongs to run {record.run} but this run is {run} (its "
-                f"{_lease.RUN_FILE} differs from the primary's places): this host's "
-                f"directory holds another run's steps, and mixing them would restore or "
-                f"delete the other's. Give this host a directory of its own for this run"
+                f"{_lease.RUN_FILE}): mixing runs would restore or delete the other's "
+                "steps. Give this host a directory of its own for this run"
             )
         return
     foreign = [s for s in steps if (read_marker(loc, s)[0] or {}).get("run") != run]
@@ -272,8 +258,7 @@ def remove_steps(
     loc: Location, steps: list[int], committed: list[int], region: _distributed.Region
 ) -> None:
     """Collective (in ``region``): ``CheckpointManager.delete`` over each host's own
-    directory. Which host holds which step is agreed first; a step no host holds is a
-    CheckpointNotFoundError everywhere (nothing removed); else each removes its own."""
+    directory; a step no host holds is refused everywhere, else each removes its own."""
     mine = [s for s in steps if s in committed]
     held = region.gather_json("per-host-delete", mine)
     missing = [s for s in steps if not any(s in view for view in held)]
@@ -289,8 +274,7 @@ def remove_steps(
 
 
 def with_primary_extras(items: dict[str, Any], region: _distributed.Region) -> dict[str, Any]:
-    """``items`` with the primary's ``extras`` item (none where it has none), on every
-    process (collective, one broadcast in the save's ``region``): the step's one
+    """``items`` with the primary's ``extras`` item (collective, in ``region``): the one
     manifest records one checksum per file, so every host's copy holds the same JSON."""
     extras = items.get("extras")
     op = region.next_operation_id("per-host-extras")
@@ -311,8 +295,7 @@ def _offer(doc: dict | None) -> dict | None:
 
 
 def peer_plan(offers: list[dict | None]) -> dict[int, int] | str:
-    """``{recipient: donor}`` for every process without the step, or why not (the same
-    on every process: a function of the gathered offers)."""
+    """``{recipient: donor}`` for every process without the step, or why not."""
     holders = [p for p, o in enumerate(offers) if o is not None]
     recipients = [p for p, o in enumerate(offers) if o is None]
     if not holders:
@@ -336,8 +319,7 @@ def peer_plan(offers: list[dict | None]) -> dict[int, int] | str:
 def fetch_from_peers(
     loc: Location, step: int, run: Any, holds: bool, region: _distributed.Region
 ) -> bool:
-    """Collective (in ``region``): way (b) for ``step`` (``holds``: this process has a
-    valid copy). True on every process when all now hold it committed, else False."""
+    """Collective (in ``region``): way (b) for ``step``; True when all now hold it committed."""
     doc = read_marker(loc, step)[0] if holds else None
     offers = region.gather_json("peer-offer", _offer(doc))
     chosen = peer_plan(offers)
@@ -346,10 +328,8 @@ def fetch_from_peers(
         return False
     me, t0, errors = _distributed.process_index(), time.perf_counter(), []
     for donor in sorted(set(chosen.values())):
-        takers = sorted(r for r, d in chosen.items() if d == donor)
-        given = doc if me == donor else None
-        error = _from_donor(loc, step, run, donor, me in takers, given, region)
-        errors.append(error)
+        take, given = chosen.get(me) == donor, (doc if me == donor else None)
+        errors.append(_from_donor(loc, step, run, donor, take, given, region))
     error = next((e for e in errors if e is not None), None)
     views = region.gather_json("peer-commit", error)
     bad = [f"process {p}: {v}" for p, v in enumerate(views) if v is not None]
@@ -376,31 +356,25 @@ def _from_donor(
     doc: dict | None,
     region: _distributed.Region,
 ) -> str | None:
-    """Collective: ``donor``'s copy of ``step`` sent to every process; committed here
-    when ``take``. Returns this process's error (None: none)."""
-    mine = None
+    """Collective: ``donor``'s copy of ``step`` sent, committed here when ``take``; an error."""
+    mine, listing = [], None
     if doc is not None:  # this process is the donor
         try:
             mine = _read_copy(loc, step)
         except (CheckpointError, OSError) as e:
-            mine = f"{type(e).__name__}: {e}"
-    listing = None
-    if doc is not None:
-        listing = (
-            {"error": mine}
-            if isinstance(mine, str)
-            else {
+            listing = {"error": f"{type(e).__name__}: {e}"}
+        else:
+            listing = {
                 "files": [[rel, len(data), hashlib.sha256(data).hexdigest()] for rel, data in mine],
                 "layout": doc.get("layout"),
                 "hosts": doc.get("hosts"),
                 "held": doc.get("held"),  # the donor's regions are the recipient's
             }
-        )
     listing = region.gather_json("peer-listing", listing)[donor]
     if "error" in listing:
         return f"process {donor} could not read its copy: {listing['error']}" if take else None
     total = sum(size for _, size, _ in listing["files"])
-    blob = b"".join(data for _, data in mine) if doc is not None else b""
+    blob = b"".join(data for _, data in mine)
     received = _broadcast(blob, total, doc is not None)
     if not take:
         return None

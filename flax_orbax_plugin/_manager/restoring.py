@@ -1,8 +1,5 @@
-"""Restorer: reads a step of a manager's directory back.
-
-Threading: the training thread (``CheckpointManager.restore``), after the in-flight
-save was waited for; :meth:`Restorer.with_step` marks the step as being read (never
-deleted meanwhile by this manager's retention).
+"""Restorer: reads a step of a manager's directory back, on the training thread, after the
+save in flight; :meth:`Restorer.with_step` marks the step as being read (never deleted).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.restoring``.
 """
@@ -46,8 +43,7 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 class Restorer:
-    """Restores steps of the manager's directory as ``opts`` (a ``ManagerOptions``) say
-    (``read_only``: never moves a damaged step aside); ``book``: its step records."""
+    """Restores steps of the manager's directory as ``opts`` (a ``ManagerOptions``) say."""
 
     def __init__(self, opts: Any, book: StepBook):
         self._loc = opts.location
@@ -71,8 +67,7 @@ class Restorer:
         region,
         limit: int | None = None,
     ) -> Any:
-        """``step`` (None: the latest that restores) as CheckpointManager.restore, in
-        ``region``; ``limit``: a host-memory ceiling under the manager's."""
+        """``step`` (None: the latest that restores) as CheckpointManager.restore."""
         started, self._tier = time.perf_counter(), "local"
         ceiling = _host_memory.resolve(self._ceiling)  # "auto": from the memory free now
         if limit is not None:
@@ -125,10 +120,8 @@ class Restorer:
                     self._set_aside(candidate, e)
         if skipped:
             error = skipped[0][1]  # the latest step's own error, naming its file
-            error.add_note(
-                f"no step of {self._loc} restores; skipped: "
-                + "; ".join(f"step {s}: {e}" for s, e in skipped)
-            )
+            said = "; ".join(f"step {s}: {e}" for s, e in skipped)
+            error.add_note(f"no step of {self._loc} restores; skipped: {said}")
             raise error
         if shut:  # every step was shut: the newest one's own error
             raise shut[0][1]
@@ -224,8 +217,7 @@ class Restorer:
         return result, [f"process {p}: {v}" for p, v in enumerate(views) if v is not None]
 
     def candidates(self, region: _distributed.Region) -> list[int]:
-        """Committed steps of both tiers, ascending (a step in both is read locally; the
-        persistent tier's agreed in ``region``)."""
+        """Committed steps of both tiers, ascending (a step in both is read locally)."""
         steps = self._book.listed()
         tier = self._book.tier
         if tier is not None:  # None: the store cannot be listed (logged)
@@ -249,8 +241,7 @@ class Restorer:
             logger.warning("checkpoint: could not move step %d aside: %s", step, e)
 
     def _agreed(self, step: int, fn: Callable[[int], Any], region: _distributed.Region) -> Any:
-        """:meth:`with_step` on every process together: when it fails on any process it
-        fails on all, so every process goes on to the same next step or raises."""
+        """:meth:`with_step` on every process together: a failure on one is raised on all."""
         if _distributed.process_count() == 1:
             return self.with_step(step, fn)
         result, error = None, None
@@ -313,8 +304,7 @@ class Restorer:
         return merged
 
     def warn_replay(self, step: int) -> None:
-        """Warns once per manager when ``step`` (just restored) holds a data position that
-        a resume left out (it replays the data)."""
+        """Warns once when ``step`` holds a data position that a resume left out."""
         if self._warned_replay or "data_iterator" not in self.restored_items:
             return
         self._warned_replay = True

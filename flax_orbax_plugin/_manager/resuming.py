@@ -1,8 +1,7 @@
-"""The callback's decisions at train start when it does not restore (a run to refuse
-or clear, or none to resume), and at a first step no train start preceded.
+"""The callback's decisions when it does not restore: a run to refuse or clear, or none.
 
 Called by CheckpointCallback on the training thread, after the manager opened
-(``place_exists`` before that: the manager creates the directory).
+(``place_exists`` before that).
 """
 
 from __future__ import annotations
@@ -28,9 +27,7 @@ def place_exists(directory: Any) -> bool:
 
 
 def no_run_to_resume(directory: Any, mngr: Any, resume: bool | str, existed: bool) -> None:
-    """``resume`` is set and neither tier holds a committed step: raises when steps were
-    all set aside as damaged or ``resume="required"``; else a WARNING naming the place
-    (a mistyped path starts a new run there)."""
+    """``resume`` is set and neither tier holds a step: an error, or a WARNING naming it."""
     aside = _steps.list_directory(Location.from_path(directory)).corrupt
     if aside:  # steps existed but none restored: never silently start from step 0
         raise CheckpointError(
@@ -90,8 +87,7 @@ def refuse_or_clear(directory: Any, mngr: Any, latest: int, overwrite: bool) -> 
 
 
 def unstarted(directory: Any, mngr: Any, step: int, resume: bool | str, overwrite: bool) -> None:
-    """The first step of a loop that never called ``on_train_start``: an earlier run's
-    steps are refused (or with ``overwrite`` emptied), whatever ``resume`` says."""
+    """A first step with no ``on_train_start``: an earlier run's steps are refused (or cleared)."""
     latest = mngr.latest_step(include_persistent=True)
     if latest is None or mngr.restored_step is not None:  # nothing to mix, or restored
         return
@@ -107,8 +103,7 @@ def unstarted(directory: Any, mngr: Any, step: int, resume: bool | str, overwrit
 
 
 def stale_step(step: int | None, saved: int | None, reached: int | None) -> None:
-    """``on_train_end(state)`` without ``step=``: a ``state.step`` below the step this
-    run already ``saved`` is refused before the run ends (a retry with ``step=`` works)."""
+    """``on_train_end(state)``: a ``state.step`` below the step already ``saved`` is refused."""
     if step is None or saved is None or step >= saved:
         return
     reached = max(saved, reached or saved)

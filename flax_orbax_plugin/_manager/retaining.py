@@ -1,5 +1,4 @@
-"""StepBook: what one CheckpointManager knows about its steps; RetentionRunner, which
-deletes the steps its retention drops, by that book.
+"""StepBook: what a manager knows of its steps; RetentionRunner: deletes what retention drops.
 
 Threading: the training, save and deletion threads share one book, every field under
 its lock. RetentionRunner: ``submit`` from the save's background thread after each
@@ -43,9 +42,8 @@ WHILE_SAVING = 2  # deletes in flight on an object store while a save runs
 
 
 class StepBook:
-    """The step records of the manager on ``location``: committed steps (in memory: a
-    save costs the same whatever the number kept), steps being read or deleted, metrics,
-    save times and lanes, the last save; built once the writer's open resolved the rest."""
+    """The step records of the manager on ``location`` (the committed steps in memory: a
+    save costs the same whatever the number kept); built once the writer's open ran."""
 
     def __init__(
         self,
@@ -83,8 +81,7 @@ class StepBook:
         return steps[-1] if steps else None
 
     def known(self) -> list[int]:
-        """A writer's committed steps from its list in memory (not those being deleted),
-        listed at the first need and after :meth:`forget`."""
+        """A writer's committed steps from its list in memory (listed after :meth:`forget`)."""
         with self.lock:
             known = self._committed
         if known is None:
@@ -170,7 +167,6 @@ class StepBook:
             self._lanes.setdefault(step, lane)
 
     def lane_of(self, step: int) -> str | None:
-        """The lane ``step`` was saved in (None: not known)."""
         with self.lock:
             return self._lanes.get(step)
 
@@ -199,8 +195,7 @@ def as_metric(value: Any) -> float | None:
 
 
 class RetentionRunner:
-    """Deletes the steps of the manager's directory that its retention (``opts``, a
-    ``ManagerOptions``) does not keep; ``busy()``: ``Saver.busy``, asked by removals."""
+    """Deletes the steps of the manager's directory that its retention does not keep."""
 
     def __init__(self, opts: Any, book: StepBook, busy: Callable[[], str | None]):
         self._loc = opts.location
@@ -224,8 +219,7 @@ class RetentionRunner:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="fop-retention")
 
     def submit(self, just_written: int) -> None:
-        """After a commit (background thread): queues a pass on the deletion thread, or
-        joins the one already queued (at most one runs and one waits)."""
+        """After a commit (background thread): queues a pass (at most one runs, one waits)."""
         if self._pool is None:
             return
         with self._lock:
@@ -266,8 +260,7 @@ class RetentionRunner:
             self._pool.shutdown(wait=True)
 
     def metric_of(self, extras: Any, step: int) -> dict[str, float | None]:
-        """``{name: value}`` of the ranked metrics in the extras being saved; one they
-        lack is warned of (once per name)."""
+        """``{name: value}`` of the ranked metrics in ``extras`` (a missing one: warned)."""
         names = self._metric_names
         held = extras if isinstance(extras, Mapping) else {}
         out = {name: as_metric(held.get(name)) for name in names}
@@ -338,8 +331,7 @@ class RetentionRunner:
         return removed
 
     def _remove(self, step: int) -> bool:
-        """Removes one doomed step; False when it is being read or its removal failed
-        (kept); True with remains left after it left the listing (their error kept)."""
+        """Removes one doomed step; False when it is being read or its removal failed."""
         if not self._book.begin_delete(step):
             return False
         try:
@@ -368,8 +360,7 @@ class RetentionRunner:
         return True
 
     def _pace(self) -> int:
-        """Deletes in flight on an object store: none while the training thread is in a
-        save, few while its background write runs, the store's full share otherwise."""
+        """Deletes in flight on an object store: none, few or many, by the save's phase."""
         busy = self._busy()
         if busy == "blocking":
             return 0
@@ -380,8 +371,7 @@ class RetentionRunner:
         facts = self._facts(steps)
         saved_here, _ = self._book.dated()  # committed by this manager: known whole
         # The newest step is kept as well as the one this pass was run for: a pass that
-        # runs late (its step's commit, then the next step's, then this pass) must not
-        # delete the step a resume would read.
+        # runs late must not delete the step a resume would read.
         newest = {max(steps)} if steps else set()
         protected = asked | newest | self._book.being_read()
         tier = self._book.tier

@@ -1,7 +1,5 @@
 """Retention as small composable objects: which committed steps a manager keeps; and
-lanes, two save policies each with its own retention.
-
-Pure values; any thread.
+lanes, two save policies each with its own retention. Pure values; any thread.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.retention``.
 """
@@ -32,8 +30,7 @@ def finite(value: object) -> float | None:
 
 @dataclass(frozen=True)
 class StepFacts:
-    """What a manager knows of its committed steps: ``metrics[name][step]``,
-    ``times[step]`` and ``lanes[step]`` of its saves, ``now`` (the latest save's time)."""
+    """What a manager knows of its committed steps (``now``: the latest save's time)."""
 
     metrics: Mapping[str, Mapping[int, Any]] = field(default_factory=dict)
     times: Mapping[int, float] = field(default_factory=dict)
@@ -42,8 +39,7 @@ class StepFacts:
 
 
 class KeepRule:
-    """The protocol of a retention rule: :meth:`kept`, :attr:`metric_names`,
-    :attr:`deletes_anything`, :attr:`uses_time`; ``a | b`` keeps what either keeps."""
+    """The protocol of a retention rule; ``a | b`` keeps what either keeps."""
 
     deletes_anything = True  # without it no step is ever deleted (nothing to run)
     uses_time = False  # the facts' times matter (then they are the primary's, shared)
@@ -295,8 +291,7 @@ def steps_to_delete(
     protected: Iterable[int] = (),
     facts: StepFacts | None = None,
 ) -> list[int]:
-    """The sorted steps that ``policy`` keeps not, nor ``protected``; ``metrics``
-    (``{step: value}``) stands for the facts of a policy that ranks one metric."""
+    """The sorted steps that neither ``policy`` nor ``protected`` keeps."""
     steps = sorted(set(steps))
     if not policy.deletes_anything:
         return []
@@ -315,8 +310,7 @@ def sound_steps_to_delete(
     protected: Iterable[int] = (),
     facts: StepFacts | None = None,
 ) -> list[int]:
-    """:func:`steps_to_delete` counting only the steps ``whole(step)`` accepts: a damaged
-    step is never deleted nor counted as kept (``whole``: asked of kept steps only)."""
+    """:func:`steps_to_delete` where a step ``whole`` refuses is neither deleted nor kept."""
     steps, damaged = sorted(set(steps)), set()
     while True:
         sound = [s for s in steps if s not in damaged]
@@ -404,8 +398,7 @@ class Lanes(SaveRule, KeepRule):
         return out
 
     def _lane_by_number(self, step: int) -> str:
-        """The lane of an earlier run's step: by its number when the permanent policy
-        goes by numbers only, else permanent (never removed by the temporary rule)."""
+        """The lane of an earlier run's step: by its number if it can tell, else permanent."""
         save = self.permanent.save
         if save.uses_time or save.watches_preemption:
             return PERMANENT

@@ -27,8 +27,7 @@ MAX_SECONDS = 1e9  # seconds: about 31 years, below threading.TIMEOUT_MAX everyw
 
 @dataclass(frozen=True)
 class Moment:
-    """What a save policy is asked about: ``step`` at ``now``, seconds ``since_save``
-    began (or the first decision), the last save's blocking seconds (None before any)."""
+    """What a save policy is asked about ``step`` at ``now``."""
 
     step: int
     now: float = 0.0
@@ -40,8 +39,7 @@ class Moment:
 
 
 class SaveRule:
-    """The protocol of a save policy: :meth:`wants`, :attr:`uses_time`,
-    :attr:`watches_preemption`; ``|`` and ``&`` combine two policies."""
+    """The protocol of a save policy; ``|`` and ``&`` combine two policies."""
 
     uses_time = False  # the decision depends on the time or the save in flight
     watches_preemption = False  # the manager must learn of preemption notices
@@ -105,8 +103,7 @@ MAX_LISTED_STEPS = 1_000_000  # steps named one by one; more: a range, or every_
 
 
 def step_set(steps: Any, where: str) -> frozenset | range:
-    """The steps a rule saves, checked (naming ``where``), never empty: a ``range`` stays
-    one (it costs nothing), any other iterable a frozenset of ints >= 0."""
+    """The steps a rule saves, checked: a ``range`` stays one, any other a frozenset."""
     if isinstance(steps, str | bytes) or not isinstance(steps, Iterable):
         raise OptionTypeError(f"{where} must be an iterable of int steps, found {found(steps)}")
     if isinstance(steps, range):
@@ -190,8 +187,7 @@ class Continuous(SaveRule):
 
 
 def flattened(cls: type, parts: tuple[Any, ...], check: Any, what: str, attr: str) -> tuple:
-    """``cls``'s ``parts``, each checked (``check``), nested ``cls`` (its ``attr``)
-    flattened: ``a | b | c`` is one AnyOf (or KeepAny)."""
+    """``cls``'s ``parts``, each checked, nested ones flattened: ``a | b | c`` is one AnyOf."""
     if not parts:
         raise OptionTypeError(f"{cls.__name__}() needs at least one {what}, found none")
     out: list = []
@@ -373,9 +369,8 @@ class Preemption:
                 return cls("jax")
             raise ValueError(
                 f"handle_sigterm=True with {_distributed.process_count()} processes needs "
-                "jax's preemption service, which is off (jax_enable_preemption_service=False "
-                "before jax.distributed.initialize): leave it on (every host then saves the "
-                "same step), or pass handle_sigterm=False and handle preemption yourself"
+                "jax's preemption service, which is off (jax_enable_preemption_service=False): "
+                "leave it on, or pass handle_sigterm=False and handle preemption yourself"
             )
         if threading.current_thread() is not threading.main_thread():
             raise ValueError("handle_sigterm=True must be set from the main thread")
@@ -398,13 +393,11 @@ class Preemption:
 
         self._asked = step
         self._answer = bool(multihost_utils.reached_preemption_sync_point(step))
-        if self._answer:
-            self.notified = True
+        self.notified = self.notified or self._answer
         return self._answer
 
     def uninstall(self) -> None:
-        """Puts back the SIGTERM handler that was there before (``signal`` way).
-        Idempotent; a no-op off the main thread (the handler then stays)."""
+        """Puts back the previous SIGTERM handler (main thread only). Idempotent."""
         if not self._installed:
             return
         try:
@@ -418,9 +411,8 @@ FORCED = "forced"  # the label of a step saved whatever the policy says
 
 
 class SaveSchedule:
-    """``policy`` (rule objects) on its ``clock``, the last save, the notice;
-    ``shares_time``: the decision is the primary's even when the policy does not use the
-    time; ``context()``: ``(has_steps, in_flight)``."""
+    """``policy`` on its ``clock``, the last save, the notice; ``shares_time``: the decision
+    is the primary's anyway; ``context()``: ``(has_steps, in_flight)``."""
 
     def __init__(
         self,
@@ -442,8 +434,7 @@ class SaveSchedule:
         self.stops = False  # handle_sigterm: the preemption step's save ends the run
 
     def watch(self, *, handle_sigterm: bool) -> None:
-        """A writer's open (main thread): the preemption notice, when ``handle_sigterm``
-        (its step then ends the run) or the policy saves on preemption."""
+        """A writer's open (main thread): the preemption notice, if needed."""
         if handle_sigterm or self._rule.watches_preemption:
             self.preemption = Preemption.install()
             self.stops = handle_sigterm
@@ -453,8 +444,7 @@ class SaveSchedule:
             self.preemption.uninstall()
 
     def resume_clock(self, saved_at: Callable[[], float | None]) -> None:
-        """A writer's open: with the default clock a time rule counts from the latest
-        step's save (``saved_at()``), so a job restarted often still saves."""
+        """A writer's open: a time rule counts from the latest step's save (``saved_at()``)."""
         if self._rule.uses_time and self.clock is time.monotonic and self._last_time is None:
             when = saved_at()
             if when is not None:
@@ -492,15 +482,9 @@ class SaveSchedule:
         return self._rule.label(self._moment(step, t)) is not None
 
     def decide(
-        self,
-        step: int,
-        t: float | None,
-        *,
-        forced: bool = False,
-        region: _distributed.Region,
+        self, step: int, t: float | None, *, forced: bool = False, region: _distributed.Region
     ) -> tuple[str | None, float]:
-        """``(label, now)``: the lane ``step`` is saved in (:data:`FORCED` when ``forced``)
-        or None, and the decision's time (a time-based one the primary's, shared)."""
+        """``(label, now)``: the lane ``step`` is saved in or None, and the decision's time."""
         moment = self._moment(step, t)
         label = self._rule.label(moment)
         if forced and label is None:

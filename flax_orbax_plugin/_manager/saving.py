@@ -2,11 +2,9 @@
 
 ``CheckpointManager.save`` calls, in order, on the training thread:
 :meth:`Saver.check_new_step`, :func:`collect_items`, then :meth:`Saver.start` (every
-item's blocking phase, then one background :class:`SaveHandle` that writes, commits and
-does the bookkeeping). At most one save is in flight (:attr:`Saver.inflight`); its
-error is re-raised once, by :meth:`Saver.wait`. Its background phase is the step's one
-commit (:class:`StepCommit`, run by every process); a failure removes what this save
-wrote, never the step it replaced.
+item's blocking phase, then one background :class:`SaveHandle` running the step's one
+:class:`StepCommit` on every process). At most one save is in flight; its error is
+re-raised once, by :meth:`Saver.wait`. A failure removes what this save wrote only.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.saving``.
 """
@@ -40,7 +38,7 @@ from .._core.handle import Cancellation, raise_if_cancelled
 from .._core.save import SaveHandle, SaveResult, Staging, wait_for_data
 from .._errors import CheckpointError, SaveCancelledError, StructureError
 from .._format import layout as _layout
-from .._format.layout import ItemEntry, StepManifest
+from .._format.layout import HOST_FILE, ItemEntry, StepManifest
 from .._format.records import LANES, MANIFEST_FILE
 from .._incremental import reuse as _reuse
 from .._incremental.reuse import Reuse
@@ -84,8 +82,7 @@ def collect_items(state: Any, data_iterator: Any, extras: Any) -> dict[str, Any]
 
 @dataclasses.dataclass
 class OpenStep:
-    """A step being saved (:meth:`Saver.begin`): its staging, the ``request`` every item
-    gets, then the items in it so far (:meth:`Saver.save_items`). Training thread."""
+    """A step being saved (:meth:`Saver.begin`), and its items so far. Training thread."""
 
     step: int
     final: Location
@@ -101,8 +98,7 @@ class OpenStep:
 
 
 class Saver:
-    """Saves steps into the manager's directory as ``opts`` (a ``ManagerOptions``) say;
-    ``retention`` is told of each commit; ``buffers``: host memory kept between saves."""
+    """Saves steps into the manager's directory as ``opts`` (a ``ManagerOptions``) say."""
 
     def __init__(
         self,
@@ -151,30 +147,26 @@ class Saver:
 
     @property
     def busy(self) -> str | None:
-        """Which part of a save runs: ``"blocking"``, ``"writing"`` (to its commit) or
-        None. Read by the deletion thread, which then deletes none, or few, at once."""
+        """``"blocking"``, ``"writing"`` (to its commit) or None; read by the deletion thread."""
         if self.starting:
             return "blocking"
         return "writing" if self.in_flight else None
 
     def raise_background_error(self) -> None:
-        """Re-raises the error of a save that failed in the background, if any."""
         handle = self.inflight
         if handle is not None and handle.done():
             self.wait()
 
     def wait(self) -> None:
-        """Waits for the save in flight; re-raises its error once, never one reported
-        already (by its handle's wait or cancel). From the on_event hook: none (below)."""
+        """Waits for the save in flight; re-raises its error once (from the hook: no wait)."""
         if self._book.events.delivering() is None:  # a hook's restore: its save waits for it
             handle, self.inflight = self.inflight, None
             if handle is not None:
                 handle.settle()
 
     def supersede(self, step: int) -> bool:
-        """Cancels the save in flight for ``step`` (``supersede=``); returns whether one
-        was (False: none, or it committed first). Training thread, in place of
-        :meth:`wait`; every process calls it for the same ``step``."""
+        """Cancels the save in flight for ``step``; returns whether one was. Training
+        thread, in place of :meth:`wait`; every process calls it for the same ``step``."""
         handle, self.inflight = self.inflight, None
         if handle is None:
             return False
@@ -194,9 +186,8 @@ class Saver:
         return self._loc.child(_layout.step_dir(step))
 
     def check_new_step(self, step: int, overwrite: bool, region: _distributed.Region) -> list[int]:
-        """Refuses a step at or below the latest committed one unless ``overwrite``, or
-        whose place holds what we did not write; clears a dead save's remains (agreed, in
-        ``region``). Returns the committed local steps (from memory)."""
+        """Refuses a step at or below the latest unless ``overwrite``, or a place not ours;
+        clears a dead save's remains (in ``region``). Returns the committed local steps."""
         local = self._book.known()
         if step not in local or overwrite:  # a foreign entry there is never replaced
             at, replace = self._step_dir(step), step in local
@@ -239,10 +230,8 @@ class Saver:
         replicate: bool,
         region: _distributed.Region,
     ) -> None:
-        """Blocking phase of every item, then the background write and commit (the save
-        in flight). ``local``: the committed local steps; ``replicate``: to the tier
-        anyway (SIGTERM); ``region``: the manager save's. Training thread, no save in
-        flight; a Ctrl-C is held to the blocking phase's end, then this save cancelled."""
+        """Blocking phase of every item, then the background commit; ``replicate``: SIGTERM's.
+        Training thread; a Ctrl-C is held to the blocking phase's end, then the save cancelled."""
         events = self._book.events
         arrays = {  # the items that hold arrays (JSON items are checked by their save)
             n: v
@@ -301,8 +290,7 @@ class Saver:
         return self._retention.metric_of(extras, step)
 
     def copies(self, step: int, names: Any) -> tuple[str, str] | None:
-        """``(item, copy)`` where ``hf_shards`` writes ``step``'s ``item`` again (else
-        None), checked against the step's item ``names``."""
+        """``(item, copy)`` where ``hf_shards`` writes ``step``'s ``item`` again, else None."""
         if self._hf_shards is None or not self._hf_shards.due(step):
             return None
         with_copy_item(dict.fromkeys(names), self._hf_shards, step)  # its checks
@@ -350,8 +338,7 @@ class Saver:
         host_marker: bytes | None = None,
         held: Any = None,
     ) -> None:
-        """Every item of ``opened`` is in: its commit starts in the background
-        (``inflight``). ``held``: the blocking phase's Ctrl-C deferral. Training thread."""
+        """Every item of ``opened`` is in: its commit starts in the background. Training thread."""
         step, region = opened.step, opened.request.region
         entries = {n: ItemEntry(kind_of(h), opened.dirs[n]) for n, h in opened.handlers.items()}
         pendings = opened.pendings
@@ -376,8 +363,7 @@ class Saver:
     def save_items(
         self, opened: OpenStep, items: dict, *, budget: Any = None
     ) -> dict[str, Pending]:
-        """The blocking phase of each of ``items`` into ``opened``'s staging; returns their
-        pendings (also added to ``opened``); on an error, every write started is waited for."""
+        """The blocking phase of each of ``items`` into ``opened``'s staging; their pendings."""
         staging, request = opened.staging, opened.request
         if budget is not None:
             request = request.replace(host_memory_budget=budget)
@@ -389,8 +375,7 @@ class Saver:
         opened.handlers.update(handlers)
         pendings: dict[str, Pending] = {}
         name = None
-        # Small items first (step, extras, the iterator's position: read on this thread),
-        # so that no synchronous read of a device value waits behind the arrays' transfers.
+        # Small items first: no synchronous read of a device value waits behind the arrays.
         order = sorted(items, key=lambda n: kind_of(handlers[n]) not in _READ_FIRST)
         try:
             for name in order:
@@ -421,8 +406,7 @@ class Saver:
         return pendings
 
     def abort_alone(self, opened: OpenStep) -> None:
-        """Removes what ``opened`` staged where this process alone writes there (a shared
-        directory stays for the next open or gc); a failed removal is a WARNING."""
+        """Removes what ``opened`` staged where this process alone writes; else a WARNING."""
         if not (opened.staging.own or _distributed.process_count() == 1):
             return
         try:
@@ -444,8 +428,7 @@ class Saver:
         metric: dict[str, float | None],
         blocking: float,
     ) -> SaveResult:
-        """The background phase of :meth:`commit`: the commit, then the bookkeeping
-        (book, SaveCommitted, log line, tier, retention); a failure: SaveFailed."""
+        """The background phase of :meth:`commit`: the commit, then the bookkeeping."""
         step = opened.step
         try:
             written = commit.run(op, opened.request.region)
@@ -496,8 +479,7 @@ def wait_all(pendings: Iterable[Pending], *, raise_first: bool = False) -> list[
 
 
 class StepCommit:
-    """Commits the step ``opened`` of ``location`` once its pendings are written, with
-    the manifest's item ``entries``; ``digest``: the structure every process must agree on."""
+    """Commits ``opened`` once written; ``digest``: the structure every process agrees on."""
 
     def __init__(
         self,
@@ -517,17 +499,14 @@ class StepCommit:
         self._entries = entries
         self._digest = digest
         self._replace = opened.replace  # the step exists and is being replaced
-        # Each host's own directory: this host's marker, written before the sync; every
-        # process commits its own copy with the primary's manifest (see per_host).
-        self._host_marker = host_marker
+        self._host_marker = host_marker  # each host's own directory: written before the sync
         self._cancelled = opened.request.cancelled  # set: the save was interrupted
         self._writer = writer  # the manager's lock or lease: held still (before_commit)?
         self._lane = lane if lane in LANES else None  # recorded in the manifest (Lanes)
         self._op, self._region = "", _distributed.Region("manager-commit")  # run's, at run
         self._sizes: list[Written] = []  # this process's totals, for the manifest
         self._old_dirs: set[str] = set()  # object stores: the replaced step's item dirs
-        # (files, bytes) of the committed step as stored, counted by the process that
-        # committed it (the primary; each host its own copy); None elsewhere.
+        # (files, bytes) of the step as stored, where this process committed it; else None.
         self.stored: tuple[int, int | None] | None = None
 
     def run(self, op: str, region: _distributed.Region) -> Written:
@@ -557,23 +536,18 @@ class StepCommit:
         out = []
         for name, pending in self._pendings.items():
             snap = getattr(pending, "snap", None)
-            lines = (
-                [f": {self._entries[name].kind}"]
-                if snap is None
-                else [f"/{line}" for line in structure_lines(snap.leaves)]
-            )
-            out.extend(name + line for line in lines)
+            if snap is None:
+                out.append(f"{name}: {self._entries[name].kind}")
+            else:
+                out.extend(f"{name}/{line}" for line in structure_lines(snap.leaves))
         return out
 
     def _commit_own_copies(self, op: str) -> None:
-        """Each host's own directory: every other process commits its copy with the
-        primary's manifest and reports it; the primary raises naming any that failed."""
+        """Each host's own directory: every process commits its copy with the primary's manifest."""
         if _distributed.is_primary():
-            failed = []
-            for p in range(1, _distributed.process_count()):
-                report = self._region.get_from(f"{op}/local", p)
-                if report != "ok":
-                    failed.append(f"process {p}: {report}")
+            count = _distributed.process_count()
+            reports = {p: self._region.get_from(f"{op}/local", p) for p in range(1, count)}
+            failed = [f"process {p}: {r}" for p, r in reports.items() if r != "ok"]
             if failed:
                 raise CheckpointError(
                     f"step {self._step} of {self._loc} is committed on process 0 but not "
@@ -585,8 +559,7 @@ class StepCommit:
             self._staging.publish(MANIFEST_FILE, raw.encode(), replace=True)
             self.stored = measure_stored(self._staging.final)
         except BaseException as e:
-            error = f"{type(e).__name__}: {e}"
-            self._region.publish(f"{op}/local", error)
+            self._region.publish(f"{op}/local", f"{type(e).__name__}: {e}")
             self._abort()
             raise
         self._region.publish(f"{op}/local", "ok")
@@ -608,9 +581,7 @@ class StepCommit:
                 files.update({f"{d}/{f}": h for f, h in result.files.items()})
         if self._host_marker is not None:
             self._check_own_items()
-            self._staging.location.write_bytes(
-                _per_host.HOST_FILE, self._host_marker, durable=False
-            )
+            self._staging.location.write_bytes(HOST_FILE, self._host_marker, durable=False)
         self._staging.location.sync()
         _env.kill_point("after_sync")
         self._sizes.append(Written(total, files, reused))

@@ -1,7 +1,5 @@
-"""StepParts: one manager step saved in parts, from several calls, committed once.
-
-The training thread makes every call; with several processes each call is collective,
-in the same order on every process.
+"""StepParts: one manager step saved in parts, from several calls, committed once. The
+training thread makes every call; with several processes each is collective, in one order.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.step_parts``.
 """
@@ -27,8 +25,7 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 def checked_expect(expect: Any) -> tuple[str, ...]:
-    """``step_parts``'s ``expect=``: item names (a string is one), each once, at least
-    one; else an OptionTypeError or CheckpointError naming what was found."""
+    """``step_parts``'s ``expect=``: item names (a string is one), each once, at least one."""
     names = (expect,) if isinstance(expect, str) else expect
     if not isinstance(names, Iterable) or isinstance(names, bytes | dict):
         raise OptionTypeError(
@@ -146,13 +143,11 @@ class StepParts:
         if self._state != "open":
             done = "is committing" if self._state == "committing" else "was given up"
             raise CheckpointError(
-                f"step_parts: {what} {done}; part {name!r} not saved (open the step again "
-                f"with manager.step_parts to save it)"
+                f"step_parts: {what} {done}; part {name!r} not saved (open the step again)"
             )
         if name in self._saved:
             raise CheckpointError(
-                f"step_parts: part {name!r} of {what} is saved already (saved: "
-                f"{list(self._saved)}); each expected part is saved once"
+                f"step_parts: part {name!r} of {what} is saved already (saved: {list(self._saved)})"
             )
         if name not in self._expect:
             raise CheckpointError(

@@ -1,8 +1,6 @@
-"""Zero-copy saves: a training step that never donates what a save still holds.
-
-The training thread calls the wrapped step and the manager's ``save``; the manager tells
-the step what each save holds (``ZeroCopyStep.saved``) from that thread, after the
-save's blocking phase.
+"""Zero-copy saves: a training step that never donates what a save still holds. The
+training thread calls the wrapped step and ``save``, which then tells the step what it
+holds (``ZeroCopyStep.saved``).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._manager.zero_copy``.
 """
@@ -144,8 +142,7 @@ class ZeroCopyStep:
         self.fresh_calls = 0
 
     def saved(self, items: dict[str, Any], handle: Any) -> None:
-        """A save of ``items`` (``handle``) returned from its blocking phase: its CPU
-        arrays are held as views until its writes are done."""
+        """A save of ``items`` (``handle``) returned: its CPU arrays are held as views."""
         if not _host_snapshot.cpu_views_are_snapshots():
             return  # the save copied what it writes: donating the state is safe
         leaves = jax.tree_util.tree_leaves(items)
@@ -185,8 +182,7 @@ class ZeroCopyStep:
         return out
 
     def _take_spare(self, treedef: Any, leaves: list, inputs: set[int]) -> list | None:
-        """The previous save's arrays as a spare for this state (buffers at ``inputs``),
-        or None: none, still writing, another layout, or a buffer shared with the state."""
+        """The previous save's arrays as a spare for this state (buffers at ``inputs``), or None."""
         spare, self._spare = self._spare, None
         if spare is None:
             return None
@@ -287,10 +283,9 @@ def _check_aliased(wanted: set[int], keys: list[tuple], inputs: set[int], out: A
         return
     what = ", ".join(f"{path} {tuple(x.shape)} {x.dtype}" for path, x in missed[:5])
     raise CheckpointError(
-        f"wrap_step: the step after a save did not write into the spare buffers it was "
-        f"given: {len(missed)} outputs in fresh memory ({what}). jax must donate on this "
-        f"platform, the outputs keep the state's shardings, and nothing else may hold the "
-        f"spare (call the manager's saves and the wrapped step from one thread)"
+        f"wrap_step: the step after a save did not write into the spare buffers: "
+        f"{len(missed)} outputs in fresh memory ({what}). jax must donate here, the outputs "
+        "keep the state's shardings, and one thread calls the saves and the wrapped step"
     )
 
 

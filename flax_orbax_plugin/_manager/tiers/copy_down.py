@@ -1,11 +1,7 @@
-"""Copy-down: a persistent step made a committed local one (see ``docs/tiers.md``).
-
-Copied into local staging, **verified there in full**, then committed. Proven damage
-sets the persistent copy aside (renamed ``<step>.corrupt-<nonce>``, or recorded in
-:data:`DAMAGED_FILE` on object stores: never copied down or counted again);
-environmental errors set nothing aside. Training thread, on restore; collective with
-several processes. :attr:`DamagedSteps.steps` is replaced, never mutated (the
-replicator thread forgets a step a good copy replaced): readers see a whole dict.
+"""Copy-down: a persistent step made a committed local one (see ``docs/tiers.md``),
+verified in full in local staging first; only proven damage sets the persistent copy
+aside. Training thread, on restore; collective with several processes.
+:attr:`DamagedSteps.steps` is replaced, never mutated: readers see a whole dict.
 """
 
 from __future__ import annotations
@@ -27,8 +23,6 @@ from ..._storage import local_files as _local_files
 from ..._storage.location import Location
 from . import files as _files
 from .state import Places, TierState
-
-__all__ = ["DAMAGED_FILE", "CopyDown", "DamagedSteps"]
 
 logger = logging.getLogger("flax_orbax_plugin")
 
@@ -64,10 +58,8 @@ class DamagedSteps:
             for name, info in steps.items():
                 if not _steps.is_step_name(name) or not isinstance(info, dict):
                     raise ValueError(f"field steps: entry {name!r} is no step record")
-                current = self.remote.child(name).read_bytes(MANIFEST_FILE)
-                if current is not None and hashlib.sha256(current).hexdigest() == info.get(
-                    "manifest_sha256"
-                ):
+                sha = self._sha(name)
+                if sha is not None and sha == info.get("manifest_sha256"):
                     out[int(name)] = str(info.get("error", ""))
             return out
         except (ValueError, KeyError, TypeError, RecursionError) as e:
@@ -91,8 +83,7 @@ class DamagedSteps:
         self.remote.write_bytes(DAMAGED_FILE, raw)
 
     def set_aside(self, step: int, raw: bytes, error: Exception) -> None:
-        """Primary, after a verified copy-down proved ``step`` damaged: renamed aside, or
-        recorded (object stores); a failure to do so is logged (the damage is raised)."""
+        """Primary: ``step`` proven damaged, renamed aside or recorded (a failure: logged)."""
         text = str(error)
         try:
             if self.remote.supports_rename:
@@ -125,12 +116,11 @@ class DamagedSteps:
             )
 
     def _shas(self) -> dict[int, str]:
-        out = {}
-        for s in self.steps:
-            current = self.remote.child(str(s)).read_bytes(MANIFEST_FILE)
-            if current is not None:
-                out[s] = hashlib.sha256(current).hexdigest()
-        return out
+        return {s: sha for s in self.steps if (sha := self._sha(s)) is not None}
+
+    def _sha(self, step: int | str) -> str | None:
+        current = self.remote.child(str(step)).read_bytes(MANIFEST_FILE)
+        return None if current is None else hashlib.sha256(current).hexdigest()
 
     def forget(self, step: int) -> None:
         """Replicator, after committing ``step``: a damaged copy it replaced is gone."""
@@ -149,8 +139,7 @@ def _text(message: str) -> str:
 
 
 class CopyDown:
-    """Copies persistent steps down into the local tier, for restore (``damaged``: the
-    steps proven damaged, never copied down again)."""
+    """Copies persistent steps down into the local tier, for restore."""
 
     def __init__(self, places: Places, state: TierState, damaged: DamagedSteps):
         self._places = places
@@ -158,17 +147,14 @@ class CopyDown:
         self._damaged = damaged
 
     def ensure_local(self, step: int, region: _distributed.Region) -> bool:
-        """Training thread, on restore: makes ``step`` a committed local step, copying it
-        down when the local tier lacks it; False when neither tier has it;
-        CorruptCheckpointError (nothing left locally) when the copy fails its checks.
-        Collective (in ``region``): the primary copies and shares the outcome."""
+        """Training thread, on restore: makes ``step`` a committed local step (False when
+        neither tier has it). Collective (in ``region``): the primary copies, shares the outcome."""
         if not self._places.multi:
             return self._ensure_local(step)
         if self._places.per_host:
             return self._each_ensure_local(step, region)
         outcome, error = self._outcome(step) if self._places.primary else ("absent", None)
-        op = region.next_operation_id("tiers-copy-down")
-        outcome = region.broadcast_str(op, outcome)
+        outcome = region.broadcast_str(region.next_operation_id("tiers-copy-down"), outcome)
         if outcome.startswith(("corrupt", "failed")):
             if self._places.primary:
                 raise error
@@ -179,8 +165,7 @@ class CopyDown:
         return outcome == "present"
 
     def _each_ensure_local(self, step: int, region: _distributed.Region) -> bool:
-        """Each host's own directory: every process copies the step down into its own,
-        then the outcomes are shared: all restore it, or all raise."""
+        """Each host's own directory: every process copies the step down; all succeed or raise."""
         outcome, error = self._outcome(step)
         op = region.next_operation_id("tiers-copy-down")
         region.publish(op, outcome)
@@ -204,8 +189,7 @@ class CopyDown:
             return f"{kind}: {type(e).__name__}: {e}", e
 
     def _ensure_local(self, step: int) -> bool:
-        """Copies ``step`` down (see the module docstring); proven damage sets the
-        persistent copy aside, environmental errors and foreign entries do not."""
+        """Copies ``step`` down; only proven damage sets the persistent copy aside."""
         local, remote, state = self._places.local, self._places.remote, self._state
         local_final = _steps.step_location(local, step)
         if local_final.exists(MANIFEST_FILE):

@@ -21,26 +21,10 @@ from .state import Stopped
 
 logger = logging.getLogger("flax_orbax_plugin")
 
-__all__ = [
-    "COPY_THREADS",
-    "FILE_COST_BYTES",
-    "check_listed",
-    "copy_files",
-    "listing_digest",
-    "local_file_sizes",
-    "local_files",
-    "parse_manifest",
-    "partition",
-    "read_local_file",
-    "read_remote_file",
-    "remote_files",
-]
 
 COPY_THREADS = 16  # files copied at once (object stores are latency-bound)
 PIECE_BYTES = 16 << 20  # local to local under a ceiling: a piece of a file, at most
-# A file costs this much beyond its bytes when shares are balanced (object stores are
-# latency-bound: a thousand small files are not free).
-FILE_COST_BYTES = 1 << 16
+FILE_COST_BYTES = 1 << 16  # a file's cost beyond its bytes when shares are balanced
 
 
 def copy_files(
@@ -53,13 +37,10 @@ def copy_files(
     stopped: Callable[[], bool],
     memory_limit: int | None = None,
 ) -> int:
-    """Copies ``files`` (relative paths, not the manifest) from the step ``src`` into
-    ``dst``, checking the sha256 of each JSON file the manifest lists; ``before_file()``
-    runs before each, then :class:`Stopped` if ``stopped()``. Returns the bytes copied.
-
-    Host memory: without ``memory_limit``, :data:`COPY_THREADS` whole files at a time;
-    under it, local to local each thread streams its file in pieces (a share of the
-    limit), else one file at a time (a file above the limit held whole, WARNING)."""
+    """Copies ``files`` (not the manifest) from the step ``src`` into ``dst``, each JSON
+    file's sha256 checked; ``before_file()`` runs before each, then :class:`Stopped` if
+    ``stopped()``. Returns the bytes copied. Without ``memory_limit``, :data:`COPY_THREADS`
+    whole files at a time; under it, local to local each thread streams pieces, else one."""
     streamed = memory_limit is not None and src.is_local and dst.is_local
     threads = COPY_THREADS if memory_limit is None or streamed else 1
     piece = (
@@ -137,8 +118,7 @@ def _check_sha(src: Location, rel: str, expected: str | None, found: str) -> Non
 
 
 def local_files(root: str, step: int) -> list[str]:
-    """Relative paths of the regular files under a local step directory, manifest and
-    pending marker excluded; a symlink or special file is a ForeignEntryError."""
+    """Relative paths of the regular files of a local step (not the manifest nor marker)."""
     return sorted(local_file_sizes(root, step))
 
 
@@ -181,8 +161,7 @@ def partition(
     sizes: dict[str, int], n: int, holders: dict[str, list[int]] | None = None
 ) -> list[list[str]]:
     """The files of a step split among ``n`` processes alike on every process: largest
-    first, each to the least-loaded of its ``holders`` (None: all; a file weighs its
-    size plus :data:`FILE_COST_BYTES`). Each share is sorted."""
+    first, each to the least-loaded of its ``holders`` (None: all). Each share sorted."""
     loads = [0] * n
     shares: list[list[str]] = [[] for _ in range(n)]
     for rel in sorted(sizes, key=lambda r: (-sizes[r], r)):

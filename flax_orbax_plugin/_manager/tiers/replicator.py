@@ -1,11 +1,9 @@
 """Replication to the persistent tier (see ``docs/tiers.md``).
 
-The primary's replicator: :meth:`Replicator.run` is its thread, copying the newest
-queued step (retried), then the persistent retention; a failure is kept as the tier's
-error. With several processes each copy is a round (:class:`Rounds`): the primary
-announces it, every process copies its share and reports, the primary commits or not
-and publishes the outcome; the others take part on their replicator thread
-(:meth:`Rounds.follow`).
+:meth:`Replicator.run` is the primary's replicator thread: the newest queued step
+(retried), then the persistent retention; a failure is kept as the tier's error. With
+several processes each copy is a round (:class:`Rounds`) the others take part in on
+their replicator thread (:meth:`Rounds.follow`).
 """
 
 from __future__ import annotations
@@ -38,8 +36,6 @@ from . import files as _files
 from .copy_down import DamagedSteps
 from .state import Places, Stopped, TierState
 
-__all__ = ["RETRIES", "RETRY_DELAY_S", "Replicator", "Rounds"]
-
 logger = logging.getLogger("flax_orbax_plugin")
 
 RETRIES = 2
@@ -62,8 +58,7 @@ class Round:
 
 
 class Rounds:
-    """The rounds of one tier: their key-value :attr:`prefix` (agreed at open) and the
-    next round's number (the same sequence on every process; replicator thread only)."""
+    """The rounds of one tier: their :attr:`prefix` and next number (replicator thread)."""
 
     def __init__(self, places: Places, state: TierState):
         self._places = places
@@ -79,8 +74,7 @@ class Rounds:
             self.region = _distributed.Region("tier-rounds", f"tier{self.prefix}")
 
     def copy(self, src: Any, dst: Any, files: list[str], manifest: Any) -> int:
-        """``files`` of ``src`` copied into ``dst`` (yielding to the manager's saves,
-        stopped with the tier, within its host memory); the bytes copied."""
+        """``files`` of ``src`` copied into ``dst`` (yielding to saves); the bytes copied."""
         return _files.copy_files(
             src,
             dst,
@@ -92,7 +86,6 @@ class Rounds:
         )
 
     def in_region(self, run) -> None:
-        """Runs a replicator thread's ``run`` in the rounds' region."""
         with self.region.resumed():
             run()
 
@@ -102,16 +95,13 @@ class Rounds:
         self._round += 1
         return key
 
-    # ------------------------------------------------------------------ the primary
-
     def announce(self, rnd: Round, decision: str) -> None:
         """Primary: publishes a round's decision (a JSON object, or ``stop``)."""
         self.region.broadcast_str(rnd.key, decision)
         rnd.announced = True
 
     def finish(self, rnd: Round | None, outcome: str) -> None:
-        """Primary: publishes a round's outcome; a round that never got to copying is
-        announced with its outcome in it (the others then copy nothing)."""
+        """Primary: publishes a round's outcome (announced with it when nothing was copied)."""
         if rnd is None:
             return
         try:
@@ -125,8 +115,7 @@ class Rounds:
                 _distributed.publish_failure(self.region, e)
 
     def lead(self, rnd: Round, step: int, nonce: str, raw: bytes, nfiles: int | None) -> int:
-        """Primary: announces ``step``, copies its own share, gathers every process's
-        status; returns the bytes copied, or raises as :func:`check_statuses`."""
+        """Primary: announces ``step``, copies its share, gathers the statuses; bytes copied."""
         sha = hashlib.sha256(raw).hexdigest()
         self.announce(rnd, json.dumps({"step": step, "staging": nonce, "manifest": sha}))
         statuses = [self.copy_share(step, nonce, sha, rnd.key)]
@@ -135,11 +124,8 @@ class Rounds:
             statuses.append(json.loads(got))
         return check_statuses(statuses, nfiles)
 
-    # ------------------------------------------------------------------ every process
-
     def copy_share(self, step: int, nonce: str, manifest_sha: str, key: str) -> dict[str, Any]:
-        """Every process, in a round: copies its share of the local step's files into
-        the remote staging; returns its status (raises only Stopped, on the primary)."""
+        """Every process, in a round: copies its share into the remote staging; its status."""
         listing, total = None, None
         per_host = self._places.per_host
         try:
@@ -190,11 +176,8 @@ class Rounds:
             sizes.pop(HOST_FILE, None)  # this host's marker stays here
         return manifest, sizes
 
-    # ------------------------------------------------------------------ the others
-
     def follow(self) -> None:
-        """The replicator thread of a process other than the primary: takes part in the
-        primary's rounds, in order, until it announces ``stop``."""
+        """A non-primary's replicator thread: the primary's rounds, in order, until ``stop``."""
         try:
             self.in_region(self._follow)
         except Exception as e:  # noqa: BLE001  (the primary is gone or late)
@@ -210,7 +193,6 @@ class Rounds:
                 self._state.cond.notify_all()
 
     def _follow(self) -> None:
-        """:meth:`follow`'s rounds, in its region."""
         state = self._state
         while True:
             key = self.next_key()
@@ -240,8 +222,7 @@ class Rounds:
             self.region.publish(f"{key}/status", json.dumps(status))
             # The primary may spend up to one timeout gathering statuses.
             wait = 2 * self.region.stall_timeout()
-            said = f"{key}/outcome"
-            outcome = self.region.broadcast_str(said, None, timeout_s=wait)
+            outcome = self.region.broadcast_str(f"{key}/outcome", None, timeout_s=wait)
         self._settle(step, outcome)
 
     def _await_round(self, key: str) -> str | None:
@@ -282,8 +263,7 @@ class Rounds:
 
 
 def check_statuses(statuses: list[dict[str, Any]], nfiles: int | None) -> int:
-    """Primary: the bytes copied by a round's ``statuses``, or Stopped, or RoundFailed
-    naming the processes that failed or saw other files (or not ``nfiles`` copied)."""
+    """Primary: the bytes copied by a round's ``statuses``, or Stopped, or RoundFailed."""
     if any(s.get("stopped") for s in statuses):
         raise Stopped()
     failed = [f"process {p}: {s['error']}" for p, s in enumerate(statuses) if not s["ok"]]
@@ -307,15 +287,10 @@ def check_statuses(statuses: list[dict[str, Any]], nfiles: int | None) -> int:
 
 
 def share_of_hosts(
-    key: str,
-    sizes,
-    manifest,
-    region: _distributed.Region,
-    error: BaseException | None = None,
+    key: str, sizes, manifest, region: _distributed.Region, error: BaseException | None = None
 ):
-    """Each host's own directory, every process in a round: publishes its listing (or
-    ``error``), gathers every host's; returns (its share of the union, the union's
-    digest, its size). CheckpointError when the hosts' copies do not add up."""
+    """Each host's own directory, every process in a round: its listing (or ``error``)
+    shared; returns its share of the union, the union's digest and its size."""
     mine = {"error": f"{type(error).__name__}: {error}"} if error else {"sizes": sizes}
     region.publish(key, json.dumps(mine))
     listings = [json.loads(v) for v in region.gather_str(key)]
@@ -340,24 +315,16 @@ def share_of_hosts(
 
 
 class Replicator:
-    """Copies the primary's queued steps to the persistent tier (``rounds``: with the
-    other processes; ``damaged``: steps a good copy replaces)."""
+    """Copies the primary's queued steps to the persistent tier."""
 
-    def __init__(
-        self,
-        places: Places,
-        state: TierState,
-        rounds: Rounds,
-        damaged: DamagedSteps,
-    ):
+    def __init__(self, places: Places, state: TierState, rounds: Rounds, damaged: DamagedSteps):
         self._places = places
         self._state = state
         self._rounds = rounds
         self._damaged = damaged
 
     def run(self) -> None:
-        """The primary's replicator thread, until the tier stops; with several
-        processes it then announces ``stop`` to the others' replicators."""
+        """The primary's replicator thread, until the tier stops (then ``stop`` announced)."""
         state = self._state
         try:
             while True:
@@ -386,8 +353,7 @@ class Replicator:
                     logger.warning("checkpoint: could not end the replication rounds: %s", e)
 
     def replicate_with_retries(self, step: int) -> None:
-        """One queued step: copied, each attempt a round with several processes; a
-        failure is retried (:data:`RETRIES`), then kept as the tier's error."""
+        """One queued step copied, retried (:data:`RETRIES`), then kept as the tier's error."""
         for attempt in range(RETRIES + 1):
             rnd = Round(self._rounds.next_key(), step) if self._places.multi else None
             before = _steps.step_location(self._places.local, step).read_bytes(MANIFEST_FILE)
@@ -442,8 +408,7 @@ class Replicator:
         return False
 
     def _replicate(self, step: int, rnd: Round | None) -> bool:
-        """Copies one committed local step (``rnd``: every process its share, the primary
-        commits); returns False when there was nothing to do."""
+        """Copies one committed local step; False when there was nothing to do."""
         places, state = self._places, self._state
         src = _steps.step_location(places.local, step)
         raw = src.read_bytes(MANIFEST_FILE)
@@ -462,9 +427,8 @@ class Replicator:
         if state.owner is not None:
             state.owner.renew()  # at each step too; raises if another run took the path
         # A foreign entry with the step's name is never written into nor replaced.
-        found = _ownership.check_slot(
-            final, what=f"step {step} of the persistent tier", replace=True
-        )
+        what = f"step {step} of the persistent tier"
+        found = _ownership.check_slot(final, what=what, replace=True)
         t0 = time.perf_counter()
         if not final.supports_rename and found == "step manifest":
             places.remove_step(places.remote, step)  # an older copy of ours: uncommit, remove
@@ -491,9 +455,8 @@ class Replicator:
     def _commit(
         self, step: int, rnd: Round | None, raw: bytes, manifest: StepManifest, files: list[str]
     ) -> int:
-        """Copies ``files`` (or in round ``rnd`` this process's share) into the step's
-        remote staging, then commits the manifest, last; nothing partial stays. Returns
-        the bytes copied."""
+        """Copies ``files`` (in round ``rnd``: this process's share), then commits the
+        manifest, last; nothing partial stays. Returns the bytes copied."""
         src = _steps.step_location(self._places.local, step)
         final = _steps.step_location(self._places.remote, step)
         nonce = secrets.token_hex(6)

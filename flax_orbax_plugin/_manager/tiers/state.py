@@ -18,10 +18,7 @@ from ..._storage.location import Location
 from ..events import Events
 from ..retention import KeepRule
 
-__all__ = ["MAX_DEFER_S", "Places", "Stopped", "TierState"]
-
-# A copy yields to the training loop's own save: it waits while a local save is in
-# flight (before each step and each file), but no longer than this per step, so a
+# A copy waits while a local save is in flight, but no longer than this per step, so a
 # loop that saves all the time still gets its steps replicated.
 MAX_DEFER_S = 10.0
 
@@ -32,8 +29,7 @@ class Stopped(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Places:
-    """The two places of a tier and what is fixed about them (``remove_step``: the
-    manager's, so both tiers delete alike)."""
+    """The two places of a tier and what is fixed about them."""
 
     local: Location
     remote: Location
@@ -71,27 +67,22 @@ class TierState:
     stop: bool = False
     closing_since: float | None = None  # other processes: close() was called
     error: ReplicationError | None = None
-    # Other processes: the steps the primary has started rounds for.
-    round_steps: set[int] = dataclasses.field(default_factory=set)
+    round_steps: set[int] = dataclasses.field(default_factory=set)  # followers: steps in rounds
     owner: RunOwner | None = None  # the primary's, from open()
     events: Events = dataclasses.field(default_factory=Events)  # the manager's, at construction
     replicated: list[int] = dataclasses.field(default_factory=list)  # committed, in order
     # This process's share of each step it helped commit: relative paths (for tests).
     copied_files: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     copied_down: list[int] = dataclasses.field(default_factory=list)  # tried, in order
-    # Each host's own directory: ``marker(step)``, the bytes of the host's marker a
-    # step copied down gets (set once by the manager's open, then only read).
+    # Each host's own directory: the marker a step copied down gets (set once at open).
     marker: Callable[[int], bytes] | None = None
-    # Steps replicated whatever ``Tier(every=)`` says (the step saved on SIGTERM).
-    forced: set[int] = dataclasses.field(default_factory=set)
-    # A copy up yields to the manager's own save (replicator thread): it waits while
-    # ``busy()``, within a step's window of MAX_DEFER_S from :meth:`start_yielding`.
+    forced: set[int] = dataclasses.field(default_factory=set)  # replicated whatever every= says
+    # A copy up waits while ``busy()``, within MAX_DEFER_S from :meth:`start_yielding`.
     busy: Callable[[], bool] = lambda: False
     defer_until: float = 0.0
 
     def drop_older(self, step: int, kept_forever: Callable[[int], bool]) -> None:
-        """Under ``cond``: drop queued steps older than ``step`` that the persistent
-        retention would not keep forever (``step`` supersedes them)."""
+        """Under ``cond``: drops queued steps older than ``step`` not kept forever."""
         self.queue = {s for s in self.queue if s > step or kept_forever(s)}
 
     def enqueue(self, step: int, kept_forever: Callable[[int], bool]) -> None:

@@ -1,14 +1,8 @@
-"""The persistent tier: its option object :class:`Tier`, and :class:`PersistentTier`,
-a manager's local directory of steps replicated to a persistent one.
-
-Each of Tier's fields is declared once (:data:`FIELDS`; the deprecated flat
-``persistent_<field>=`` keywords are the same declarations: ``options.DEPRECATED``);
-a Tier is a frozen value, any thread. PersistentTier is the façade the manager calls
-(open, submit, wait, close, steps, ensure_local) over its collaborators, sharing one
-:class:`~.state.TierState`, and the collective open (the primary's part, then its
-outcome shared in one key-value round: all open alike or all raise). Who calls what,
-from which thread, the multi-process protocol and the rules on ownership and damage:
-``docs/tiers.md``.
+"""The persistent tier: its option object :class:`Tier` (a frozen value, any thread; each
+field declared once in :data:`FIELDS`), and :class:`PersistentTier`, the façade the
+manager calls over its collaborators (one :class:`~.state.TierState`), whose collective
+open has every process open alike or raise. Who calls what, from which thread, and the
+rules on ownership and damage: ``docs/tiers.md``.
 """
 
 from __future__ import annotations
@@ -40,14 +34,11 @@ from .copy_down import CopyDown, DamagedSteps
 from .replicator import Replicator, Rounds
 from .state import Places, TierState
 
-__all__ = ["FIELDS", "PersistentTier", "Tier", "check_place", "refuse_idle"]
-
 logger = logging.getLogger("flax_orbax_plugin")
 
 
 def _check_places(local: Location, remote: Location) -> None:
-    """The two tiers are two places side by side (one place, or one inside the other,
-    would each list the other's steps); the local one is local (``ManagerOptions``)."""
+    """The two tiers are two places side by side (not one inside the other)."""
     if remote.is_local:
         mine, theirs = (os.path.realpath(x.path) + os.sep for x in (local, remote))
         if mine.startswith(theirs) or theirs.startswith(mine):
@@ -116,14 +107,7 @@ class PersistentTier:
         """Steps this tier tried to copy down, in order."""
         return self._state.copied_down
 
-    # ------------------------------------------------------------------ lifecycle
-
-    def open(
-        self,
-        local_steps: Iterable[int],
-        *,
-        region: _distributed.Region,
-    ) -> None:
+    def open(self, local_steps: Iterable[int], *, region: _distributed.Region) -> None:
         """Cleans the persistent tier's unfinished copies, queues the local steps it lacks
         and starts the replicator thread. Collective, in the manager open's ``region``:
         the primary lists, decides what is missing and shares both."""
@@ -154,8 +138,7 @@ class PersistentTier:
         self._thread.start()
 
     def submit(self, step: int) -> None:
-        """Queues a step just committed locally, on every process (the primary's queue
-        decides what is copied; the others' tell their :meth:`wait` what to wait for)."""
+        """Queues a step just committed locally, on every process (the primary's is copied)."""
         state = self._state
         with state.cond:
             if not (self._places.due(step) or step in state.forced):  # Tier(every=), force()
@@ -206,8 +189,7 @@ class PersistentTier:
         return None if owner is None else owner.run_id
 
     def agreed_steps(self, region: _distributed.Region | None = None) -> list[int] | None:
-        """Collective (in ``region``; None: a call outside an operation): the primary's
-        :meth:`steps` on every process; None (logged) when the store cannot be listed."""
+        """Collective (in ``region``): the primary's :meth:`steps`; None (logged) if unlisted."""
         steps = None
         if self._places.primary:
             try:
@@ -317,9 +299,8 @@ def _open_primary(
     local_steps: Iterable[int],
     lease_seconds: float,
 ) -> tuple[list[int], list[int], BaseException | None]:
-    """Primary: takes both places for this run, reads the damage record, removes
-    unfinished copies; returns the persistent steps, the local steps to queue and
-    (several processes) the failure to share."""
+    """Primary: takes both places for this run, reads the damage record, removes unfinished
+    copies; returns the persistent steps, the local steps to queue and a failure to share."""
     remote_steps: list[int] = []
     failure: BaseException | None = None
     try:
@@ -363,8 +344,7 @@ def _share_open(
     failure: BaseException | None,
     region: _distributed.Region,
 ) -> tuple[list[int], list[int]]:
-    """Every process (in ``region``): the primary's persistent steps and steps to queue
-    (returned), damage record and round prefix (set), or its error (raised)."""
+    """Every process (in ``region``): the primary's outcome of the open, or its error."""
     op = region.next_operation_id("tiers-open")
     mine = {
         "remote": remote_steps,
@@ -386,8 +366,7 @@ def _share_open(
 
 
 def _remove_unfinished(remote: Location) -> None:
-    """Primary, at open: removes the persistent tier's copies that never committed,
-    each only once proven ours (``_ownership``); everything else is left alone."""
+    """Primary, at open: removes the copies that never committed, each once proven ours."""
     listing = _steps.list_directory(remote)
     for name in listing.unfinished:
         _removing.remove_if_ours(remote.child(name), what="unfinished copy")
