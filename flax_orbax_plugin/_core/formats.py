@@ -39,22 +39,13 @@ DEFAULT_WRITE_LIMIT_BYTES = 1 << 30  # bytes of writes in flight, by default
 
 @dataclasses.dataclass(frozen=True)
 class SaveRequest:
-    """How one pytree is saved (the options of ``fop.save_async``, checked, plus what a
-    manager adds per step and item).
+    """How one pytree is saved: ``fop.save_async``'s options, checked, plus a manager's.
 
-    ``format_version``: 2 (data files, the default) or 1 (chunk files), the one place the save's
-    format is chosen; ``compression``: a checked codec or None;
-    ``memory_limit_bytes``: writes in flight (None: the default, see :attr:`limit`);
-    ``host_memory_budget``: host bytes the save may hold beyond the state;
-    ``data_file_bytes``: version 2's data file size; ``own_copy``: a host's own
-    directory (every process writes all it holds and every JSON file);
-    ``created_at``: the document's time (the same on every process for an own copy;
-    None: when written); ``reuse``: an ``_incremental.Reuse`` (a manager with
-    ``incremental=True``) or None; ``buffers``: a manager's host buffers or None;
-    ``cancelled``: set when the save is cancelled (Ctrl-C): its writes stop;
-    ``region``: the collective operation the save is part of (``_base.distributed``:
-    its names are drawn there, its waits look at its failures; by default one that
-    spans nothing).
+    ``format_version``: the one place the save's format is chosen; ``own_copy``: a host's
+    own directory (every process writes all it holds and every JSON file); ``created_at``:
+    the document's time (agreed for an own copy; None: when written); ``reuse``: an
+    ``_incremental.Reuse`` or None; ``cancelled``: set on cancel: the writes stop;
+    ``region``: the collective operation the save is part of.
     """
 
     format_version: int = DEFAULT_FORMAT_VERSION
@@ -77,8 +68,7 @@ class SaveRequest:
 
     @property
     def limit(self) -> int:
-        """The bytes of writes in flight, ``memory_limit_bytes`` (default
-        ``DEFAULT_WRITE_LIMIT_BYTES``), at most half the host memory budget."""
+        """The bytes of writes in flight: at most half the host memory budget."""
         limit = self.memory_limit_bytes or DEFAULT_WRITE_LIMIT_BYTES
         budget = self.host_memory_budget
         return limit if budget is None else max(1, min(limit, budget // 2))
@@ -126,9 +116,7 @@ def check_save(**options: Any) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Written:
-    """What one process wrote: array bytes and ``{relative JSON file: sha256}``; plus the
-    array bytes it hard-linked or copied on the server from the previous step instead
-    (incremental steps)."""
+    """What one process wrote: array bytes, ``{JSON file: sha256}``, array bytes reused."""
 
     bytes_written: int = 0
     files: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -153,8 +141,7 @@ class Format(Protocol):
     def write(
         self, snap: Any, location: Location, leaves: list, *, primary: bool, found: Any
     ) -> tuple:
-        """This process's data of ``snap`` (``found``: the reuse plan or None); returns
-        (bytes written, {file: sha256}, bytes reused)."""
+        """This process's data of ``snap``: (bytes written, {file: sha256}, bytes reused)."""
 
     def reuser(self, location: Location) -> Any:
         """How this process reuses unchanged data under ``location`` (None: it cannot)."""
@@ -299,8 +286,7 @@ _TOP_FILES = (_layout.COMMIT_FILE, _layout.METADATA_FILE, _layout.PENDING_FILE)
 
 
 def checkpoint_names(parts: list[str], is_dir: bool) -> bool:
-    """Whether the library writes the entry at ``parts`` (relative to a checkpoint);
-    anything else is a user's: never read, never removed."""
+    """Whether the library writes the entry at ``parts``: else never read, never removed."""
     head, rest = parts[0], parts[1:]
     if head in (_layout.ARRAYS_DIR, _layout.BATCHES_DIR):
         return is_dir or bool(rest)

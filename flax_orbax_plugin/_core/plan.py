@@ -1,10 +1,7 @@
-"""The layout of one save: a record per leaf (:func:`classify` refuses what cannot be
-saved, naming its path) and the batches of small leaves.
+"""The layout of one save (a record per leaf, the batches of small leaves) and its host copy.
 
-:meth:`Plan.build` decides every leaf's storage identically on every process and picks
-the format once; :meth:`Plan.snapshot` takes this process's host copy into a
-:class:`Snapshot`, whose :meth:`Snapshot.write` is the background phase. Call order:
-build and snapshot on the caller's thread, then write on one background thread.
+Call order: :meth:`Plan.build` (identical on every process) and :meth:`Plan.snapshot` on
+the caller's thread, then :meth:`Snapshot.write` once on one background thread.
 """
 
 from __future__ import annotations
@@ -64,8 +61,7 @@ def _text(path: str, leaf: str | bytes) -> str:
 
 
 def _utf8(text: str, what: str) -> bytes:
-    """``text`` in UTF-8; StructureError naming ``what`` for text no reader accepts
-    (a lone surrogate: no JSON document of the format can hold it)."""
+    """``text`` in UTF-8; StructureError naming ``what`` for a lone surrogate."""
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -79,8 +75,7 @@ _PER_LEAF = len('{"path":"","keys":[],"kind":""}')  # a leaf record's bytes besi
 
 
 def _check_document_size(nbytes: int, leaves: int, text_leaves: int) -> None:
-    """``nbytes``, a lower bound of ``_METADATA.json``'s (the exact size is checked when
-    it is encoded), refused before anything is staged when no reader would accept it."""
+    """A lower bound of ``_METADATA.json``'s size, refused before anything is staged."""
     limit = _local_files.METADATA.max_bytes
     if nbytes > limit:
         raise StructureError(
@@ -146,9 +141,8 @@ def classify(path: str, leaf: Any) -> tuple[str, Any, str | None]:
 
 
 def native_order(value: np.ndarray) -> np.ndarray:
-    """``value`` in this host's byte order. The files hold little-endian bytes under the
-    dtype's name (``int32``, not ``>i4``): a big-endian array (FITS, some ``.npy`` and
-    ``.mat`` files) is converted (a copy), never written as its raw bytes."""
+    """``value`` in this host's byte order: a big-endian array (FITS, some ``.npy``) is
+    converted, never written as its raw bytes under the dtype's name."""
     if value.dtype.isnative:
         return value
     return value.astype(value.dtype.newbyteorder("="))
@@ -201,8 +195,7 @@ class _Batching:
 
 
 def _data_record(path, keys, kind, value, impl, codec, batching: _Batching) -> LeafRecord:
-    """The record of a leaf with array data: a batch slot (written by the owner of
-    replica 0) when small and unpartitioned, else an array of its own."""
+    """A batch slot when small and unpartitioned, else an array of its own."""
     dtype = np.dtype(value.dtype)
     name = _layout.dtype_name(dtype)
     if name not in _layout.SUPPORTED_DTYPES:
@@ -230,9 +223,7 @@ def _data_record(path, keys, kind, value, impl, codec, batching: _Batching) -> L
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
-    """The layout of one save, identical on every process (:meth:`build`), with its
-    request (every mode of the save), format and digest. :meth:`snapshot` (once) makes
-    the :class:`Snapshot`; the leaves pass to it (their writes filled): the plan is done."""
+    """The layout of one save, identical on every process; :meth:`snapshot` once."""
 
     leaves: list[Leaf]
     batches: dict[str, BatchRecord]
@@ -269,9 +260,8 @@ class Plan:
         return cls(leaves, batching.records(codec), request, version, _digest(leaves))
 
     def snapshot(self) -> Snapshot:
-        """The blocking phase's copy of every byte this process writes (into the
-        request's buffers, if any and no budget): small leaves first, then the platform's
-        staging (the device staging's host copy is :meth:`Snapshot.write`'s)."""
+        """The blocking phase's copy of every byte this process writes: small leaves
+        first, then the platform's staging."""
         req = self.request
         budget = req.host_memory_budget
         pool = None if budget is not None else req.buffers
@@ -319,9 +309,8 @@ class Plan:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Snapshot:
-    """This process's host copy of one save, all the background phase needs: :meth:`write`
-    once, on one thread, releases what it holds and sets ``data_written``. ``write_first``:
-    the save returns once its data is written."""
+    """This process's host copy of one save; ``write_first``: the save returns once its
+    data is written (``data_written``)."""
 
     leaves: list[Leaf]
     batches: dict[str, BatchRecord]
@@ -346,9 +335,8 @@ class Snapshot:
         )
 
     def write(self, location: Location, *, durable: bool = True) -> _formats.Written:
-        """Background phase: this process's chunks (the primary: the metadata too), made
-        durable with ``durable``; commits nothing. With ``request.reuse`` (every process,
-        in the same order) unchanged leaves are linked or copied (``_incremental/reuse``)."""
+        """Background phase: this process's chunks (the primary: the metadata too); commits
+        nothing. With ``request.reuse`` (every process, in order) unchanged leaves are reused."""
         try:
             return self._write(location, durable=durable)
         finally:
@@ -406,8 +394,7 @@ def _take(leaves, batches, pool, request: SaveRequest, kind: str, pooled: list) 
 
 
 def _stored_leaves(leaves: list[Leaf], found):
-    """The leaves as stored (a sub-byte leaf: its packed bytes, copied here at once), and
-    ``found`` (``_reuse.unchanged``'s) referring to them. Background thread."""
+    """The leaves as stored (sub-byte ones packed), and ``found`` referring to them."""
     out, by_index = [], {}
     for leaf in leaves:
         if _chunks.is_packed(leaf.record):
@@ -425,9 +412,8 @@ def _stored_leaves(leaves: list[Leaf], found):
 
 
 def _digest(leaves: list[Leaf]) -> str:
-    """A digest of the tree's structure and of the small values the primary alone writes
-    (str and bytes leaves, host arrays up to 64 KiB): equal on every process that saves
-    the same tree, so a differing ``lr`` is not saved as process 0's silently."""
+    """The tree's structure and the small values the primary alone writes: a differing
+    ``lr`` on another process is not saved as process 0's silently."""
     h = hashlib.sha256()
     for leaf in leaves:
         r = leaf.record

@@ -52,19 +52,13 @@ DEFAULT_READ_LIMIT_BYTES = 64 << 20
 
 @dataclasses.dataclass(frozen=True)
 class ReadRequest:
-    """How one pytree is read (the options of ``fop.restore``, checked, plus what a
-    manager adds).
+    """How one pytree is read: ``fop.restore``'s options, checked, plus a manager's.
 
-    ``memory_limit_bytes``: reads in flight; ``cast``: ``"safe"`` (no cast that changes
-    a value) or ``"unsafe"``; ``share_reads``: processes read a replicated leaf
-    together (each its rows, then an all-gather; collective); ``own_copy``: a host's own
-    directory (each process reads alone; an array read onto a sharded ``like`` holds
-    only this host's chunks, so its claims are not checked against the whole array);
-    ``changes``: a restore into a changed model (``partial``, ``missing``,
-    ``transform``, ``surgery``); ``dry_run``: return the plan of the read
-    (``RestorePlan``), reading no array data; ``region``: the collective operation the
-    read is part of (``_base.distributed``; its processes agree on what they read),
-    or one that spans nothing (one process, or a read one process may make alone).
+    ``share_reads``: processes read a replicated leaf together (each its rows, then an
+    all-gather; collective); ``own_copy``: a host's own directory, read by each process
+    alone (a sharded leaf's claims are not checked against the whole array);
+    ``dry_run``: return the ``RestorePlan``, reading no data; ``region``: the collective
+    operation the read is part of, or one that spans nothing.
     """
 
     memory_limit_bytes: int = DEFAULT_READ_LIMIT_BYTES
@@ -91,10 +85,8 @@ class ReadRequest:
         region: _distributed.Region,
         ceiling: int | None = None,
     ) -> ReadRequest:
-        """The request of a manager step's items, in the manager restore's ``region``:
-        each host's own directory is read by each process alone (no collective); else
-        replicated leaves are read shared. ``ceiling``: the manager's host-memory ceiling
-        in bytes (its reads in flight stay under it: ``read_limit``), or None."""
+        """The request of a manager step's items; ``ceiling``: the manager's host-memory
+        ceiling in bytes (the reads in flight stay under it), or None."""
         share = not own_copy and _distributed.process_count() > 1
         changes = changes or Changes()
         limit = (
@@ -107,8 +99,7 @@ class ReadRequest:
 
 
 def read_slice(store, direct: _packed_reader.PackedReader, batch: BatchRecord, off, size: int):
-    """A read of elements ``[off, off + size)`` of a batch, through tensorstore's ``store``
-    where there is one, else version 2's reader."""
+    """Elements ``[off, off + size)`` of a batch, through ``store``, else ``direct``."""
     dtype = _layout.dtype_from_name(batch.dtype)
     if store is not None:
         return ReadInto(store[off : off + size], dtype)
@@ -129,12 +120,9 @@ def check_claims(
     own_copy: bool = False,
     packed: Any = None,
 ) -> None:
-    """CorruptCheckpointError, naming the field and what is stored, unless the data every
-    target reads holds what the metadata claims (a resealed one may claim any shape):
-    checked before anything sized by a claim is allocated. Version 1 (``packed`` None):
-    its chunk files, one ``stat`` each, on local disks only (object stores list no sizes);
-    a host's own copy (``own_copy``) holds its own regions, so a sharded array there is
-    not checked. Version 2: ``packed``'s indexes and the dtypes they record."""
+    """CorruptCheckpointError unless the data every target reads holds what the metadata
+    claims, before anything sized by a claim is allocated. Version 1 (``packed`` None):
+    one ``stat`` per chunk file, local disks only; version 2: ``packed``'s indexes."""
     if packed is None and not location.is_local:
         return
     where = f"{location}/{METADATA_FILE}"
@@ -219,7 +207,6 @@ class Target:
 
 
 def make_target(index: int, record: LeafRecord, like: Any, *, cast: str) -> Target:
-    """The target of one saved leaf read onto ``like``, cast under ``cast``."""
     path = record.path
     target = Target(index, record, like, cast=cast)
     if record.kind in _layout.EMPTY_KINDS:
@@ -365,8 +352,7 @@ def _final_value(target: Target, host: np.ndarray) -> Any:
 
 
 class Placer:
-    """Batches host-to-device transfers: one ``jax.device_put`` call per ``flush_bytes``
-    (per-leaf calls dominate restores of thousands of small leaves)."""
+    """Batches host-to-device transfers: one ``jax.device_put`` per ``flush_bytes``."""
 
     def __init__(self, flush_bytes: int):
         self.flush_bytes = flush_bytes
@@ -406,8 +392,7 @@ def _put(items: list[tuple[Target, np.ndarray]], sharding: Any) -> list[jax.Arra
 
 
 def _unplaceable(items: list, sharding: Any, error: Exception) -> Exception:
-    """The leaf of ``items`` jax cannot place (float6 on CPU) as a StructureError naming
-    it; ``error`` itself when none fails alone."""
+    """The leaf jax cannot place (float6 on CPU), named; else ``error``."""
     for target, host in items:
         try:
             _put([(target, host)], sharding)
@@ -427,9 +412,8 @@ def cannot_place(path: str, dtype: Any, platform: str, error: Exception) -> Stru
 
 
 def _put_on_one_device(hosts: list[np.ndarray], sharding: Any) -> list[jax.Array]:
-    """``hosts`` onto the one device of ``sharding`` by the call ``jax.device_put`` makes
-    (``batched_device_put``), without its per-array dispatch (~70 us an array, here ~25);
-    committed as jax's are. A dtype jax canonicalizes goes through ``jax.device_put``."""
+    """``jax.device_put``'s own ``batched_device_put`` call without its per-array
+    dispatch (~70 us an array, here ~25)."""
     device = next(iter(sharding.device_set))
     avals: dict[tuple, Any] = {}
     out = []
@@ -448,9 +432,8 @@ def _put_on_one_device(hosts: list[np.ndarray], sharding: Any) -> list[jax.Array
 
 
 def place(host: np.ndarray, sharding: Any) -> jax.Array:
-    """``host`` (the same on every process) onto ``sharding`` from this process's own
-    shards: no collective (``jax.device_put`` would all-gather to compare, which a process
-    that failed earlier never enters)."""
+    """``host`` (the same on every process) placed from this process's shards alone: no
+    collective (which a process that failed earlier would never enter)."""
     if sharding.is_fully_addressable:
         return jax.device_put(host, sharding)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
@@ -498,8 +481,7 @@ def step_deleted_or(directory: Location, step: int, error: Exception) -> Excepti
 class ReadInto:
     """A read straight into a new numpy array (no second whole-array buffer)."""
 
-    def __init__(self, view, dtype: np.dtype | None = None):
-        """``dtype``: the leaf's, where its array stores a stand-in (``DTYPES[...].zarr``)."""
+    def __init__(self, view, dtype: np.dtype | None = None):  # dtype: the leaf's
         stored = view.dtype.numpy_dtype
         self.out = _host.empty(view.shape, dtype or stored)  # adopted by jax on CPU
         into = _arrays.as_stored(self.out, stored)
@@ -547,8 +529,7 @@ class Reader:
 
 
 def raise_environmental(error: Exception) -> None:
-    """Raises the OSError ``error`` stands for when it is no proof of damage (EMFILE, EIO,
-    a timeout): no intact checkpoint is reported damaged."""
+    """Raises the OSError ``error`` stands for when it is no proof of damage (EMFILE, EIO)."""
     env = _arrays.environmental(error)
     if env is error:
         raise error

@@ -93,8 +93,7 @@ class _Batch:
             )
 
     def locate(self, targets: list[Target], error: Exception) -> None:
-        """After ``error`` reading ``targets`` together: reads them one by one to name
-        the damaged ones (all of them where no single read fails)."""
+        """After ``error`` reading ``targets`` together: each read alone names the damaged."""
         errors, before = self.errors, len(self.errors)
         self.read_each(targets)
         self.reader.drain(0)
@@ -210,12 +209,9 @@ def _read_run(one: _Batch, run: list[Target]) -> None:
 
 
 def read_targets(location: Location, doc: CheckpointDocument, targets: list, request: ReadRequest):
-    """Reads every target's data into ``target.result``, as ``request`` says.
-
-    Collective when the processes read together (a target on devices of several
-    processes, or a leaf read shared): they agree on the outcome of their reads before
-    any all-gather, so a read failing on one process raises on every process, naming it.
-    Host arrays alone: no collective."""
+    """Reads every target's data into ``target.result``. Collective when the processes
+    read together (:func:`_collective`): they agree on the outcome of their reads before
+    any all-gather, so a read failing on one process raises on every process."""
     collective = _collective(targets, request.share_reads)
     error = None
     shared: list = []
@@ -254,8 +250,7 @@ def spans_processes(*trees: Any) -> bool:
 
 
 def _collective(targets: list, share_reads: bool) -> bool:
-    """Whether reading ``targets`` is collective (see read_targets); from the targets and
-    ``share_reads`` alone, so the same on every process."""
+    """Whether reading ``targets`` is collective; the same on every process."""
     if not share_reads or _distributed.process_count() == 1:
         return False
     for t in targets:
@@ -291,8 +286,7 @@ def _read_targets_inner(location, doc: CheckpointDocument, targets: list, reques
 
 
 def read_region(fmt, store, target: Target, direct, region=None):
-    """A read of ``region`` (global; None: all) of a stored array through ``direct``; a
-    packed leaf's bytes unpacked; a leaf surgery made, from the saved leaves in ``store``."""
+    """A read of ``region`` (global; None: all) of one target's stored array."""
     record = target.record
     if target.virtual is not None:  # made by surgery: ``store`` reads the saved leaves
         return _surgery_reads.VirtualRead(target.virtual, region, store)
@@ -356,8 +350,7 @@ def _read_targets_with(location, doc, targets, request: ReadRequest, fmt, direct
 
 
 def _shared_read_sharding(sharding: Any, shape: tuple[int, ...]) -> Any:
-    """For a leaf replicated over several processes: the sharding splitting its rows over
-    every device, or None (one process, not replicated, rows not divisible)."""
+    """For a leaf replicated over processes: the sharding splitting its rows, else None."""
     if (
         _distributed.process_count() == 1
         or not isinstance(sharding, jax.sharding.NamedSharding)
@@ -466,8 +459,7 @@ def entry_of(target: Target, path: str) -> PlanEntry:
 def plan_of(
     where: str, targets: list[Target], paths: list[str], kept: list[str], saved: list[str]
 ) -> RestorePlan:
-    """The plan of reading ``targets`` (like's ``paths``, in order; ``kept``: like's
-    leaves kept as they are; ``saved``: the checkpoint's leaves holding values)."""
+    """The plan of reading ``targets`` onto like's ``paths`` (``kept``: kept as they are)."""
     entries = tuple(entry_of(t, p) for t, p in zip(targets, paths, strict=True))
     read = {path for e in entries for path, _ in e.sources}
     dropped = tuple(p for p in saved if p not in read)
@@ -494,8 +486,7 @@ def read_request(
     share_replicated_reads: bool | None = None,
     changes: _onto_like.Changes | None = None,
 ) -> ReadRequest:
-    """The :class:`ReadRequest` of ``fop.restore``'s options, checked before anything is
-    read. ``changes``: a front's own, already checked (then the four it holds not given)."""
+    """``fop.restore``'s options checked into a request (``changes``: already checked)."""
     share = share_replicated_reads
     check(RESTORE, {"memory_limit_bytes": memory_limit_bytes, "share_replicated_reads": share})
     dry_run = flag("dry_run", dry_run)
