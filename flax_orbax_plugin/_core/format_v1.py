@@ -102,9 +102,7 @@ def write_data(
     staging: Location, leaves: list, snap: Any, *, primary: bool, links: dict[int, Any]
 ) -> tuple[int, int]:
     """Writes this process's chunks of ``snap`` (the primary: every zarr.json too), linking
-    or copying the leaves in ``links``; returns (bytes written, bytes reused). Takes its
-    batches out of ``snap.batch_data``; stops (KeyboardInterrupt) at the next region once
-    the request is cancelled."""
+    or copying the leaves in ``links``; returns (bytes written, bytes reused)."""
     batches = snap.batches
     arrays = [
         (leaf, _arrays.leaf_spec(staging, leaf.index, leaf.record))

@@ -61,8 +61,7 @@ def keeps(raw: bytes | None) -> list[str]:
 
 
 def temporary_files(loc: Location) -> list[str]:
-    """Local only: the marker's temporary files at the top of ``loc`` holding our marker,
-    its start, or nothing (a writer killed before its rename)."""
+    """Local only: the marker's temporary files in ``loc`` holding our marker or its start."""
     if not loc.is_local:
         return []
     try:
@@ -351,9 +350,8 @@ _RUNNING: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
 
 
 def _finish_at_exit(handle: SaveHandle) -> None:
-    """A save nobody waits for still commits at exit: an exit step, run before the
-    interpreter stops the pools it writes with, waits for it (saying so on stderr; a
-    failure: exit status 1), or abandons it when a Ctrl-C ended the program."""
+    """A save nobody waits for still commits at exit (an exit step waits for it, saying so
+    on stderr), or is abandoned when a Ctrl-C ended the program."""
     _RUNNING.add(handle)
     _host.at_exit(_host.FINISH, _finish_running)
 
@@ -377,8 +375,7 @@ def _finish_running() -> bool:
 
 
 def raise_if_cancelled(cancelled: threading.Event | None, what: str) -> None:
-    """Background phase: KeyboardInterrupt (interrupted) or SaveCancelledError (with a
-    reason) once ``cancelled`` is set."""
+    """Background phase: KeyboardInterrupt or SaveCancelledError once ``cancelled`` is set."""
     if cancelled is None or not cancelled.is_set():
         return
     where = f"process {_distributed.process_index()}"

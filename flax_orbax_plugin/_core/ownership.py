@@ -48,8 +48,7 @@ _pending_bytes = _handle.marker_bytes  # the marker's helpers, under the names c
 
 
 def claim(loc: Location, nonce: str, *, fresh: bool = False) -> None:
-    """Marks ``loc`` as a place this library is writing or removing (one process per
-    place; durable at a later ``sync``). Object stores: a conditional claim."""
+    """Marks ``loc`` as a place this library writes or removes (durable at a ``sync``)."""
     if not loc.supports_rename:
         _liveness.claim_in_place(loc, nonce, fresh=fresh)
         return
@@ -69,9 +68,8 @@ def unclaim(loc: Location) -> None:
 
 def proof(loc: Location, *, step: int | None = None) -> str | None:
     """What proves ``loc`` ours (``"step manifest"``, ``"commit marker"``, ``"pending
-    marker"``: also its temporary files, see ``_core.handle``), or None. With ``step``,
-    a manifest must name that step. ForeignEntryError when a local ``loc`` is not a
-    real directory."""
+    marker"``), or None; with ``step``, a manifest must name it. ForeignEntryError when a
+    local ``loc`` is not a real directory."""
     if loc.is_local:
         path = loc.path.rstrip("/")
         try:
@@ -131,9 +129,7 @@ def require_ours(loc: Location, *, action: str, step: int | None = None) -> str:
 
 
 def remove(loc: Location, *, action: str = "remove", step: int | None = None) -> bool:
-    """Removes ``loc`` whole once it is proven ours; False when nothing is there;
-    ForeignEntryError when it is not ours. Crash-safe: the pending marker is written
-    first and deleted last (:func:`remove_proven`)."""
+    """Removes ``loc`` whole once proven ours (ForeignEntryError if not); False if empty."""
     if is_empty(loc) and not exists(loc):
         return False
     require_ours(loc, action=action, step=step)
@@ -199,9 +195,8 @@ def exists(loc: Location) -> bool:
 def remove_proven(
     loc: Location, *, pace: Callable[[], int] | None = None, keep: list[str] | None = None
 ) -> None:
-    """Removes what this library wrote at ``loc``, a fresh pending marker (naming this
-    remover and what is kept: ``keep``, the strangers found already) written first and
-    removed last."""
+    """Removes what this library wrote at ``loc``, a pending marker naming what is kept
+    (``keep``: the strangers found already) written first and removed last."""
     raw = loc.read_bytes(PENDING_FILE)
     if raw is None and keep is None:
         raw = _pending_bytes(secrets.token_hex(6))
@@ -222,11 +217,9 @@ def prepare_slot(
     take_empty: bool = True,
     region: _distributed.Region,
 ) -> bool:
-    """:func:`check_slot` for a save about to write at ``loc``, collective in ``region``;
-    with ``clear`` what it found of ours is removed too. Returns whether ``loc`` held
-    something of ours. On an object store (written in place: a fast process's first
-    object could land before a slower one looks) the primary alone looks and every
-    process waits for its verdict (one key-value round); elsewhere every process looks."""
+    """:func:`check_slot`, collective in ``region`` (with ``clear``: ours removed); whether
+    ``loc`` held something of ours. On an object store (a fast process's first object could
+    land before a slower one looks) the primary alone looks (one key-value round)."""
 
     def look() -> bool:
         held = check_slot(loc, what=what, replace=replace, take_empty=take_empty) is not None
@@ -283,9 +276,8 @@ def _step_rule(manifest: StepManifest) -> Rule:
 
 
 def strangers(loc: Location) -> list[str]:
-    """The entries under ``loc`` (relative paths, sorted) that the library did not write,
-    by its commit record (none without one): a directory of someone else's is named
-    once, not walked. Object stores name keys."""
+    """The entries under ``loc`` (sorted) that its commit record says the library did not
+    write; a foreign directory is named once, not walked."""
     rule: Rule
     try:
         raw = loc.read_bytes(MANIFEST_FILE)
@@ -323,8 +315,7 @@ def strangers(loc: Location) -> list[str]:
 
 
 def remove_all_but(loc: Location, keep: list[str], *, pace: Callable[[], int] | None) -> None:
-    """Removes everything at ``loc`` but ``keep`` (named in a warning) and the
-    directories holding it, the pending marker last; ``loc`` too when nothing is kept."""
+    """Removes all at ``loc`` but ``keep`` (warned of), the pending marker last."""
     kept = set(keep)
     holders = {"/".join(k.split("/")[:i]) for k in keep for i in range(1, k.count("/") + 1)}
     if loc.is_local:
@@ -395,8 +386,7 @@ def missing_directories(path: str) -> list[str]:
 
 
 def remove_created(directories: list[str], files: tuple[str, ...] = ()) -> None:
-    """Removes ``files`` (regular files in the deepest of ``directories``, never through a
-    link), then each of ``directories`` that is empty, deepest first."""
+    """Removes ``files`` (in the deepest directory), then each empty directory."""
     for name in files if directories else ():
         path = os.path.join(directories[0], name)
         if os.path.isfile(path) and not os.path.islink(path):

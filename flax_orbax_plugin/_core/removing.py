@@ -30,8 +30,7 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 class RemainsLeftError(CheckpointError):
-    """A removal took a place out of every listing but could not remove its files: they
-    stay at ``place``, proven ours, for the next writer's open or ``gc``."""
+    """A place left every listing but its files stay at ``place``, proven ours."""
 
     def __init__(self, message: str, place: str):
         super().__init__(message)
@@ -73,8 +72,7 @@ def remove_leftover(loc: Location, *, what: str) -> tuple[bool, str | None]:
 
 
 def remove_staging(loc: Location, nonce: str, *, what: str = "staging") -> bool:
-    """Removes the staging place of this process's save (``nonce``: that save's), proven by
-    our marker or, on local disk, by its name (the others' staging carries no marker)."""
+    """Removes this save's staging, proven by our marker or (local) by its name."""
     _env.fail_point("remove_staging")  # tests: a removal that fails (FOP_FAIL_AT)
     if loc.is_local and _ownership.rmdir_if_empty(loc):
         return True  # nothing was written (a full disk, a file size limit): no marker needed
@@ -88,9 +86,8 @@ def remove_staging(loc: Location, nonce: str, *, what: str = "staging") -> bool:
 
 
 def remove_step(directory: Location, step: int, *, pace: Callable[[], int] | None = None) -> None:
-    """Deletes a committed step so it leaves the listings at once (local: a rename to
-    ``<step>.deleting-<nonce>``; object stores: the manifest first, then its objects,
-    ``pace()`` deletes in flight). A failure after that is a :class:`RemainsLeftError`."""
+    """Deletes a committed step so it leaves the listings at once (a rename, or the
+    manifest first); a failure after that is a :class:`RemainsLeftError`."""
     step_loc = directory.child(str(step))
     _ownership.require_ours(step_loc, action="delete step", step=step)
     _env.fail_point("remove_step")  # tests: a removal that fails (FOP_FAIL_AT)

@@ -1,5 +1,5 @@
-"""Saving a pytree (``fop.save``, ``save_async``, ``is_committed``): the blocking
-snapshot, then the background write and the commit.
+"""Saving a pytree (``fop.save``): the blocking snapshot, then the background write and
+the commit.
 
 Call order, on every process (all save the same tree structure in the same order):
 :func:`snapshot` (the caller's thread; the caller may then donate the arrays);
@@ -59,8 +59,7 @@ class Staging:
     def begin(
         cls, final: Location, nonce: str, *, claim: bool = True, own: bool = False
     ) -> Staging:
-        """The staging of a commit of ``final`` (the same ``nonce`` on every process),
-        claimed unless ``claim=False`` (the caller claims before its first write)."""
+        """The staging of a commit of ``final`` (one ``nonce`` on every process)."""
         place = final.sibling(f"{final.name}.partial-{nonce}") if final.supports_rename else final
         staging = cls(final, place, nonce, own)
         if claim:
@@ -73,8 +72,7 @@ class Staging:
             _ownership.claim(self.location, self.nonce, fresh=fresh)
 
     def publish(self, marker: str, data: bytes, *, replace: bool) -> None:
-        """Primary only: writes the marker last and makes the checkpoint visible; a
-        ``final`` not proven ours is never replaced (ForeignEntryError)."""
+        """Primary only: writes the marker last and makes the checkpoint visible."""
         self.location.write_bytes(marker, data)  # durable (file and directory fsynced)
         _env.kill_point("after_marker")
         self._unclaim()  # the marker now proves it ours (a crash: a committed .partial-)
@@ -144,11 +142,9 @@ def commit_collectively(
 ) -> Written:
     """The protocol of the module docstring; returns what this process wrote.
 
-    ``write`` runs on every process, ``publish(files)`` on the primary with every
-    process's files, ``abort()`` removes what was staged; ``agreed``: the options every
-    process must have saved with; ``structure``: the leaves in words (only when the
-    structures differ). Raises this process's error, CoordinationError when the
-    processes disagree, CheckpointError when another failed."""
+    ``write`` runs on every process, ``publish(files)`` on the primary, ``abort()`` removes
+    what was staged; ``agreed``: the options every process must have saved with. Raises
+    this process's error, CoordinationError (disagreement), CheckpointError (another's)."""
     error: BaseException | None = None
     written = Written()
     try:
@@ -238,8 +234,7 @@ def save(
 
 
 def start_save(path, tree, region: _distributed.Region, given: dict) -> SaveHandle:
-    """``fop.save_async`` in ``region``, every option checked first; interrupted, the
-    save is cancelled (nothing staged is left)."""
+    """``fop.save_async`` in ``region``; interrupted, the save is cancelled."""
     options = check_save(**given)
     force = options.pop("force")
     request = SaveRequest(region=region, **options)
@@ -301,8 +296,7 @@ def _start(
 
 @dataclasses.dataclass(frozen=True)
 class _Background:
-    """The background phase of one save (clear on object stores, write, commit), on the
-    handle's thread, in the save's ``region``."""
+    """The background phase of one save (clear, write, commit), on the handle's thread."""
 
     snap: Snapshot  # its request's ``cancelled``: the handle's
     staging: Staging
@@ -352,8 +346,7 @@ class _Background:
         return SaveResult(str(location), self.blocking, total, written.bytes_written)
 
     def abort(self) -> None:
-        """The failed save's staging goes (in place, on the primary: under its own claim
-        only, never another writer's)."""
+        """The failed save's staging goes (in place: under its own claim only)."""
         staging = self.staging
         staging.abort()
         if staging.renames or not _distributed.is_primary():

@@ -121,8 +121,7 @@ def verify(
 
 
 def window_bytes(limit: int | None) -> int:
-    """The window of a verify's reads under the ceiling ``limit``: half of it (the window
-    and the one read past it), within [``MIN_WINDOW_BYTES``, ``VERIFY_BUDGET_BYTES``]."""
+    """Half of the ceiling ``limit`` (the window and one read past it), bounded."""
     if limit is None:
         return VERIFY_BUDGET_BYTES
     return max(MIN_WINDOW_BYTES, min(VERIFY_BUDGET_BYTES, limit // 2))
@@ -148,8 +147,7 @@ def verify_step(
     progress: Progress | None = None,
     budget: int = VERIFY_BUDGET_BYTES,
 ) -> list[VerifyResult]:
-    """Every item of one step; a bad manifest or host marker is one failed result. A host's
-    own copy is checked for that host's regions only, each result saying so in its ``note``."""
+    """Every item of one step; a bad manifest or host marker is one failed result."""
     try:
         manifest = _layout.read_manifest(step_loc)
         copy, problem = _steps.of_step(step_loc)
@@ -218,10 +216,8 @@ def check_pytree(
     what: str = "",
     held: _steps.HeldItem | None = None,
 ) -> None:
-    """Checks a committed pytree as restore reads it (metadata, claimed sizes, every
-    ``zarr.json``, every chunk's crc32c), at most ``budget`` bytes at a time; raises the
-    CorruptCheckpointError restore would, OSError for the environment's. ``progress``:
-    as :func:`verify`'s. ``held``: a host's own copy's item, whose regions alone are read."""
+    """Checks a committed pytree as restore reads it, at most ``budget`` bytes at a time;
+    raises restore's CorruptCheckpointError, or OSError. ``held``: a host copy's item."""
     _host.wait_for_pending_save(location)
     doc = read_document(location)
     location.check_no_links(read=_formats.checkpoint_names)  # tensorstore follows links

@@ -37,10 +37,8 @@ def holds_nonce(loc: Location, nonce: str) -> bool:
 
 
 def claim_in_place(loc: Location, nonce: str, *, fresh: bool) -> None:
-    """Object stores: writes the pending marker only where no other writer's is (a
-    conditional request: two saves at once cannot both claim it). A gone writer of this
-    host's marker is taken over; any other is a :class:`DirectoryLockedError`. With
-    ``fresh``, a commit record found once the claim is held takes it back and refuses."""
+    """Object stores: writes the pending marker only where no live writer's is (a
+    conditional request); ``fresh``: a commit record found then takes it back, refused."""
     raw, generation = loc.read_versioned(
         PENDING_FILE, max_bytes=_local_files.PENDING_MARKER.max_bytes
     )
@@ -61,9 +59,8 @@ def claim_in_place(loc: Location, nonce: str, *, fresh: bool) -> None:
 
 
 def refuse_if_held(loc: Location, *, replace: bool) -> None:
-    """Before a save writes where a pending marker is: DirectoryLockedError when it names
-    a live writer of this host, or (object stores, unless ``replace``) another host's,
-    whose life cannot be told from here."""
+    """DirectoryLockedError when ``loc``'s marker names a live writer of this host, or
+    (object stores, unless ``replace``) another host's."""
     alive = writer_alive(loc)
     if alive is not None:
         refuse_held(loc, alive)
@@ -129,9 +126,8 @@ def writer_alive(loc: Location) -> str | None:
 
 
 def abandoned(loc: Location) -> bool:
-    """Local only: True when ``loc`` (a real directory) holds no pending marker, is empty
-    or holds a commit record, and nothing in it (its ctime too) changed for
-    :data:`QUIET_SECONDS`: left by a writer killed when nothing named it."""
+    """Local only: ``loc`` holds no marker, is empty or committed, and nothing in it
+    changed for :data:`QUIET_SECONDS` (a writer killed when nothing named it)."""
     if not loc.is_local:
         return False
     path = loc.path.rstrip("/")
