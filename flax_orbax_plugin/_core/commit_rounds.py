@@ -1,6 +1,5 @@
-"""The commit of several processes beyond the primary's own round (``_core.save``): the
-other processes' round, the test that their statuses agree, the first leaf where their
-trees differ, and the removal of staged files after an outcome other than committed.
+"""The commit rounds of several processes beside the primary's (``_core.save``): theirs,
+the agreement of their statuses, and the first leaf where their trees differ.
 
 Threading: the save's background thread, every process in the same order.
 """
@@ -17,8 +16,7 @@ from .._errors import CoordinationError
 
 
 def other_round(op, status, abort, structure, region) -> str:
-    """Another process's side: publishes its status, reads the outcome (waiting longer than
-    the primary), discards its files unless committed."""
+    """Another process's side: its status published, the outcome read (waited for longer)."""
     region.publish(f"{op}/status", status)
     wait = 2 * region.stall_timeout()
     outcome = region.broadcast_str(f"{op}/outcome", None, timeout_s=wait)

@@ -1,6 +1,5 @@
-"""A save's accelerator arrays: the staging a platform takes, the copy on their devices
-(:func:`snapshot`, blocking phase), its transfer to host (:func:`fetch`, background
-phase), and regions started on their way to host (:func:`start`).
+"""A save's accelerator arrays: the platform's staging, the copy on their devices
+(blocking phase) and their transfer to host (:func:`fetch`: background phase).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.host_snapshot``.
 """
@@ -46,8 +45,7 @@ def free_bytes(device: Any) -> int | None:
 
 
 def snapshot(arrays: list) -> tuple[list | None, str]:
-    """A copy of every array on its own devices, or (None, why) where one lacks the
-    memory. Blocking phase; no collective (each process decides its fallback alone)."""
+    """A copy of every array on its devices, or (None, why); no collective."""
     need: dict[Any, int] = {}
     for x in arrays:
         for shard in x.addressable_shards:

@@ -1,6 +1,5 @@
 """Format version 1 (one file per chunk, a ``zarr.json`` per array and batch): its
-``Format`` (:data:`CHUNK_FILES`) and its write (:func:`write_data`). Written on request
-(``format_version=1``) and in a directory per host; the seam is ``formats``.
+``Format`` (:data:`CHUNK_FILES`) and its write; the seam is ``formats``.
 
 Called on the save's background thread (write) and the restoring thread (reads).
 """
@@ -101,8 +100,7 @@ _LEAVES_COPIED_AT_ONCE = 4  # object stores: leaves whose chunks are copied conc
 def write_data(
     staging: Location, leaves: list, snap: Any, *, primary: bool, links: dict[int, Any]
 ) -> tuple[int, int]:
-    """Writes this process's chunks of ``snap`` (the primary: every zarr.json too), linking
-    or copying the leaves in ``links``; returns (bytes written, bytes reused)."""
+    """This process's chunks written, ``links`` reused: (bytes written, bytes reused)."""
     batches = snap.batches
     arrays = [
         (leaf, _arrays.leaf_spec(staging, leaf.index, leaf.record))

@@ -1,5 +1,5 @@
-"""The save's request (the frozen record of one save), the entry points' options, and the
-format seam (one ``Format`` per version; a read's request is ``reads``').
+"""The save's request, the entry points' options, and the format seam (one ``Format``
+per version).
 
 Options are checked once, the entry point's first act, on the caller's thread; a request
 never changes; the write runs on the save's background thread, the read on the restoring one.

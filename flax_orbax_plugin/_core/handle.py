@@ -1,5 +1,4 @@
-"""The pending marker (``_PENDING.json``: what it says, where it is found), and a save's
-``SaveHandle`` and ``SaveResult``.
+"""The pending marker (``_PENDING.json``), and a save's ``SaveHandle`` and ``SaveResult``.
 
 Marker functions are stateless, any thread; a handle's background phase runs on its own
 (non-daemon) thread; ``wait``, ``done`` and ``cancel`` from any thread.
@@ -350,8 +349,7 @@ _RUNNING: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
 
 
 def _finish_at_exit(handle: SaveHandle) -> None:
-    """A save nobody waits for still commits at exit (an exit step waits for it, saying so
-    on stderr), or is abandoned when a Ctrl-C ended the program."""
+    """An exit step waits for a save nobody waited for (abandoned after a Ctrl-C)."""
     _RUNNING.add(handle)
     _host.at_exit(_host.FINISH, _finish_running)
 

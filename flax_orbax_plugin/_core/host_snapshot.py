@@ -1,7 +1,5 @@
-"""One process's data of a save, from its devices to its files: in the blocking phase
-(the saving thread) its host copies (:func:`take_small`, :func:`take_regions`); in the
-background phase (the save's thread) version 2's files (:func:`write_packed`) and the
-bounded writes in flight of both formats (none left in flight on a failure).
+"""One process's data of a save: its host copies (blocking phase, the saving thread),
+then version 2's files and both formats' bounded writes (background phase).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.host_snapshot``.
 """
@@ -85,8 +83,7 @@ def pieces(
 
 
 def take_small(leaves: list, batches: dict[str, BatchRecord], pool, own_copy: bool = False):
-    """The batches of small leaves this process writes, read before any large region's
-    transfer is enqueued: ({batch name: its data}, pooled buffers)."""
+    """The small leaves' batches this process writes, read before any large transfer."""
     me, pooled, keep, writers, owned = _owned(leaves, batches, pool, own_copy, small=True)
     for _, source, _ in owned:
         if on_device(source):
@@ -198,8 +195,7 @@ def batch_writers(leaves: list, batches: dict[str, BatchRecord], me: int, own_co
 
 
 def owned_regions(leaves: list, writers: dict[str, int], me: int, own_copy: bool) -> list:
-    """(leaf, source, region) for every piece this process writes; each source resolved
-    once (jax caches a device-to-host copy per object)."""
+    """(leaf, source, region) for every piece this process writes; each source resolved once."""
     owned: list[tuple[Any, Any, tuple | None]] = []
     for leaf in leaves:
         value, storage = leaf.value, leaf.record.storage
@@ -346,8 +342,7 @@ def _host_copy(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
 
 @functools.cache
 def cpu_views_are_snapshots() -> bool:
-    """Whether a numpy view of a CPU jax.Array keeps its bytes through a donation of the
-    array, its deletion and the donating step's output (checked on this jax, once)."""
+    """Whether a numpy view of a CPU jax.Array outlives its donation (checked once)."""
     cpu = jax.local_devices(backend="cpu")[0]  # this process's (several: not devices()[0])
     base = np.arange(4096, dtype=np.float32)
     try:
@@ -404,8 +399,7 @@ class WritesInFlight:
         return doing
 
     def fail(self, error: BaseException, staging: Location, *, direct: bool) -> None:
-        """After ``error``: waits for every write in flight (none may recreate files after
-        a cleanup); tensorstore's and the writer's errors raised as CheckpointError."""
+        """After ``error``: every write in flight waited for; theirs raised as CheckpointError."""
         settle(self.futures)
         if isinstance(error, ValueError):  # tensorstore's status text, with its whole spec
             text = str(error).split(" [tensorstore_spec=", 1)[0]
@@ -464,8 +458,7 @@ def settle(pending) -> None:
 def write_packed(
     staging: Location, leaves: list, snap: Any, reuse: Callable[[], Any] | None
 ) -> tuple[int, dict[str, str], int]:
-    """Writes this process's chunks of ``snap`` into its data files and index: (bytes
-    written, {index: sha256}, bytes reused). ``reuse()``: the previous data files taken."""
+    """Version 2: this process's chunks into its data files: (written, {index: sha256}, reused)."""
     if sys.byteorder != "little":
         raise CheckpointError("format_version=2 is written on little-endian hosts only")
     req, batches, batch_data = snap.request, snap.batches, snap.batch_data

@@ -1,6 +1,5 @@
 """The one owner of removal, on every store: what proves a place ours, the claims, the
-checks before a save writes, the removal of a place proven ours (``_core.removing``
-builds on these) and of what a failed import or export created.
+checks before a save writes, and the removal of what is proven ours.
 
 Threading: stateless; any function may be called from any thread. Callers serialise
 removals of one place (the manager's writer lock, the tier's primary process).
@@ -195,8 +194,7 @@ def exists(loc: Location) -> bool:
 def remove_proven(
     loc: Location, *, pace: Callable[[], int] | None = None, keep: list[str] | None = None
 ) -> None:
-    """Removes what this library wrote at ``loc``, a pending marker naming what is kept
-    (``keep``: the strangers found already) written first and removed last."""
+    """Removes what this library wrote at ``loc``, under a marker naming what is kept."""
     raw = loc.read_bytes(PENDING_FILE)
     if raw is None and keep is None:
         raw = _pending_bytes(secrets.token_hex(6))
@@ -276,8 +274,7 @@ def _step_rule(manifest: StepManifest) -> Rule:
 
 
 def strangers(loc: Location) -> list[str]:
-    """The entries under ``loc`` (sorted) that its commit record says the library did not
-    write; a foreign directory is named once, not walked."""
+    """The entries under ``loc`` its commit record does not name (a foreign directory once)."""
     rule: Rule
     try:
         raw = loc.read_bytes(MANIFEST_FILE)

@@ -141,8 +141,7 @@ def classify(path: str, leaf: Any) -> tuple[str, Any, str | None]:
 
 
 def native_order(value: np.ndarray) -> np.ndarray:
-    """``value`` in this host's byte order: a big-endian array (FITS, some ``.npy``) is
-    converted, never written as its raw bytes under the dtype's name."""
+    """``value`` in this host's byte order (a big-endian array is converted)."""
     if value.dtype.isnative:
         return value
     return value.astype(value.dtype.newbyteorder("="))
@@ -260,8 +259,7 @@ class Plan:
         return cls(leaves, batching.records(codec), request, version, _digest(leaves))
 
     def snapshot(self) -> Snapshot:
-        """The blocking phase's copy of every byte this process writes: small leaves
-        first, then the platform's staging."""
+        """The blocking phase's copy of every byte this process writes."""
         req = self.request
         budget = req.host_memory_budget
         pool = None if budget is not None else req.buffers
@@ -309,8 +307,7 @@ class Plan:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Snapshot:
-    """This process's host copy of one save; ``write_first``: the save returns once its
-    data is written (``data_written``)."""
+    """This process's host copy of one save; ``write_first``: the save waits for its write."""
 
     leaves: list[Leaf]
     batches: dict[str, BatchRecord]
@@ -335,8 +332,7 @@ class Snapshot:
         )
 
     def write(self, location: Location, *, durable: bool = True) -> _formats.Written:
-        """Background phase: this process's chunks (the primary: the metadata too); commits
-        nothing. With ``request.reuse`` (every process, in order) unchanged leaves are reused."""
+        """Background phase: this process's chunks (the primary: the metadata too); no commit."""
         try:
             return self._write(location, durable=durable)
         finally:
@@ -412,8 +408,7 @@ def _stored_leaves(leaves: list[Leaf], found):
 
 
 def _digest(leaves: list[Leaf]) -> str:
-    """The tree's structure and the small values the primary alone writes: a differing
-    ``lr`` on another process is not saved as process 0's silently."""
+    """The tree's structure and the small values only the primary writes, digested."""
     h = hashlib.sha256()
     for leaf in leaves:
         r = leaf.record

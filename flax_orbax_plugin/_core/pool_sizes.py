@@ -1,5 +1,4 @@
-"""The pooled host buffers one save takes, sized ahead from a tree like the one it saves
-(for ``BufferPool.reserve``). Reads no array data, allocates nothing.
+"""The pooled host buffers one save takes, sized ahead (``BufferPool.reserve``).
 
 Threading: any thread (pure: plans a stand-in tree, as the save would).
 """

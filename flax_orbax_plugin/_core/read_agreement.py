@@ -25,8 +25,7 @@ _SHOWN_LEAVES = 4000  # leaves named in the second round (a digest beyond them)
 
 
 def agree_on_read(location: Location, like: Any, request: ReadRequest) -> None:
-    """Raises CoordinationError on every process when the processes of this collective read
-    (``request.region``) differ in the path, options or like they read."""
+    """CoordinationError on every process unless all read the same path, options and like."""
     flat = [] if like is None else _tree.flatten(like)[0]
     leaves = [f"{path} {_describe(leaf)}" for path, _, leaf in flat]
     mine = {

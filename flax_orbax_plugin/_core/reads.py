@@ -1,5 +1,5 @@
-"""How one pytree is read (:class:`ReadRequest`), a restore's targets checked against
-``like``, the metadata's claims checked, and the pieces every read uses.
+"""How one pytree is read (:class:`ReadRequest`), its targets and claims checked, and
+the pieces every read uses.
 
 Threading: the restoring (calling) thread only.
 
@@ -85,8 +85,7 @@ class ReadRequest:
         region: _distributed.Region,
         ceiling: int | None = None,
     ) -> ReadRequest:
-        """The request of a manager step's items; ``ceiling``: the manager's host-memory
-        ceiling in bytes (the reads in flight stay under it), or None."""
+        """The request of a manager step's items; ``ceiling``: a host-memory ceiling or None."""
         share = not own_copy and _distributed.process_count() > 1
         changes = changes or Changes()
         limit = (
@@ -412,8 +411,7 @@ def cannot_place(path: str, dtype: Any, platform: str, error: Exception) -> Stru
 
 
 def _put_on_one_device(hosts: list[np.ndarray], sharding: Any) -> list[jax.Array]:
-    """``jax.device_put``'s own ``batched_device_put`` call without its per-array
-    dispatch (~70 us an array, here ~25)."""
+    """``jax.device_put``'s own call without its per-array dispatch (~70 us, here ~25)."""
     device = next(iter(sharding.device_set))
     avals: dict[tuple, Any] = {}
     out = []
@@ -432,8 +430,7 @@ def _put_on_one_device(hosts: list[np.ndarray], sharding: Any) -> list[jax.Array
 
 
 def place(host: np.ndarray, sharding: Any) -> jax.Array:
-    """``host`` (the same on every process) placed from this process's shards alone: no
-    collective (which a process that failed earlier would never enter)."""
+    """``host`` placed from this process's shards alone: no collective."""
     if sharding.is_fully_addressable:
         return jax.device_put(host, sharding)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

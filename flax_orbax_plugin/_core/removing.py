@@ -1,6 +1,5 @@
-"""Removing steps and leftovers: a committed step (retention, ``delete``), what dead saves
-left (housekeeping), a failed save's staging, a replaced step's item directories. The
-proof that a place is ours, and its removal, are ``_core.ownership``'s.
+"""Removing steps and leftovers (a committed step, a dead save's remains, a failed save's
+staging), each proven ours by ``_core.ownership`` first.
 
 Threading: stateless; any function may be called from any thread. Callers serialise
 removals of one place (the manager's writer lock, the tier's primary process).
@@ -86,8 +85,7 @@ def remove_staging(loc: Location, nonce: str, *, what: str = "staging") -> bool:
 
 
 def remove_step(directory: Location, step: int, *, pace: Callable[[], int] | None = None) -> None:
-    """Deletes a committed step so it leaves the listings at once (a rename, or the
-    manifest first); a failure after that is a :class:`RemainsLeftError`."""
+    """Deletes a committed step (out of the listings first); else RemainsLeftError."""
     step_loc = directory.child(str(step))
     _ownership.require_ours(step_loc, action="delete step", step=step)
     _env.fail_point("remove_step")  # tests: a removal that fails (FOP_FAIL_AT)

@@ -1,9 +1,8 @@
-"""Restoring a pytree of this library's own onto a ``like`` template (or its plan:
-``dry_run=True``), down to the reads of its targets through the format.
+"""Restoring a pytree of this library's own onto a ``like`` template (or its plan),
+down to the reads of its targets through the format.
 
-Threading: reads are issued from the calling thread to tensorstore's pool and the chunk
-reader's threads; callbacks run on the calling thread; the host-memory budget bounds
-the bytes of reads in flight.
+Threading: reads are issued from the calling thread, whose callbacks run on it too; the
+host-memory budget bounds the bytes of reads in flight.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.restore``.
 """
@@ -232,8 +231,7 @@ def read_targets(location: Location, doc: CheckpointDocument, targets: list, req
 
 
 def spans_processes(*trees: Any) -> bool:
-    """Whether a sharding in ``trees`` (leaves with a ``.sharding``, or shardings) places
-    data on devices of other processes: a read onto them is collective."""
+    """Whether a sharding in ``trees`` places data on other processes' devices."""
     if jax.process_count() == 1:
         return False
     is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)

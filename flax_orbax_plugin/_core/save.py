@@ -1,12 +1,10 @@
 """Saving a pytree (``fop.save``): the blocking snapshot, then the background write and
 the commit.
 
-Call order, on every process (all save the same tree structure in the same order):
-:func:`snapshot` (the caller's thread; the caller may then donate the arrays);
-:meth:`Snapshot.write` (a background thread) writes and syncs the data; then
-:func:`commit_collectively` (the same thread, two key-value rounds, no barrier) makes the
-checkpoint (a pytree or a manager step) visible whole or not at all. One
-:func:`save_async` runs at a time in a process; a second one waits for it.
+Call order, on every process (all save the same tree in the same order): :func:`snapshot`
+(the caller's thread; it may then donate the arrays); :meth:`Snapshot.write` (a
+background thread); then :func:`commit_collectively` (the same thread, two key-value
+rounds) makes the checkpoint visible whole or not at all. One save_async runs at a time.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.save``.
 """

@@ -1,6 +1,5 @@
-"""Reading the leaves layout surgery made: a box of such a leaf is read as the boxes of
-the saved leaves it covers (the format's region read; a small leaf's batch span whole,
-then cut), assembled on the host. Threading: the restoring thread.
+"""Reading the leaves layout surgery made, from the boxes of the saved leaves they cover.
+Threading: the restoring thread.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ class _Cut:
 
 
 class SavedReads:
-    """Region reads of saved leaves through ``direct``; stores opened once per leaf or batch,
-    and the small leaves of one batch read once together (the span they need)."""
+    """Region reads of saved leaves; a store opened once, a batch's span read once."""
 
     def __init__(self, location, doc, fmt, direct, read_region, targets: list[Target]):
         self.location, self.doc, self.fmt, self.direct = location, doc, fmt, direct

@@ -1,6 +1,5 @@
-"""The writer a pending marker names: alive, gone, or a place left abandoned; a save's
-own claim, the refusals of a place another writer holds, and an object store's
-conditional claim. The marker itself is ``_core.handle``'s.
+"""The writer a pending marker names (alive, gone, or the place abandoned), and the
+claims and refusals that follow from it. The marker itself is ``_core.handle``'s.
 
 Threading: stateless; any function may be called from any thread.
 """
@@ -59,8 +58,7 @@ def claim_in_place(loc: Location, nonce: str, *, fresh: bool) -> None:
 
 
 def refuse_if_held(loc: Location, *, replace: bool) -> None:
-    """DirectoryLockedError when ``loc``'s marker names a live writer of this host, or
-    (object stores, unless ``replace``) another host's."""
+    """DirectoryLockedError when ``loc``'s marker names a live (or another host's) writer."""
     alive = writer_alive(loc)
     if alive is not None:
         refuse_held(loc, alive)
@@ -126,8 +124,7 @@ def writer_alive(loc: Location) -> str | None:
 
 
 def abandoned(loc: Location) -> bool:
-    """Local only: ``loc`` holds no marker, is empty or committed, and nothing in it
-    changed for :data:`QUIET_SECONDS` (a writer killed when nothing named it)."""
+    """Local only: no marker, empty or committed, and unchanged for :data:`QUIET_SECONDS`."""
     if not loc.is_local:
         return False
     path = loc.path.rstrip("/")

@@ -173,8 +173,7 @@ def _classified(location: Location) -> _steps.Place:
 
 
 def _restore_orbax(location: Location, like: Any, request: ReadRequest) -> Any:
-    """The Orbax checkpoint at ``location``, read through tensorstore; collective when
-    ``like`` spans processes (all read the primary's latest step of a run)."""
+    """The Orbax checkpoint at ``location``; collective when ``like`` spans processes."""
     region, opts = request.region, request.changes
     if region.spans:
         agree_on_read(location, concrete(like), request)
@@ -236,8 +235,7 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 def _params_like(like: Any) -> Any:
-    """The params of ``like``: a TrainState's, an NNX model's (also in a tuple or dict);
-    ``like`` itself when it is a params tree (a flax.struct dataclass of arrays too)."""
+    """The params of ``like`` (a TrainState's, an NNX model's), else ``like`` itself."""
     if like is None or (isinstance(like, Mapping) and not holds_nnx_objects(like)):
         return like
     try:
@@ -337,8 +335,7 @@ class _Serving(NamedTuple):
 
 
 def _serve(directory: Any, step: int | None, job: _Serving) -> Any:
-    """``restore_params``: what is at ``directory``, its committed steps, the step (agreed
-    when collective), then its params; an Orbax directory is read directly."""
+    """``restore_params``: what is at ``directory``, the step (agreed), then its params."""
     loc = Location.from_path(directory)
     place = _steps.classify(loc, steps_first=True)
     steps = _steps.committed_steps(loc, place.listing)  # (an unreadable step: warned)

@@ -190,8 +190,7 @@ _PAIRS = (("get_state", "set_state"), ("state_dict", "load_state_dict"))  # get,
 
 
 def check_iterator(it: Any) -> Any:
-    """``it`` when it has a pair that reads its position and sets it back; else an
-    OptionTypeError saying what it lacks (where given, not at the restart)."""
+    """``it`` when it can save and set back its position; else OptionTypeError."""
     _pair(it)
     return it
 

@@ -109,8 +109,7 @@ def item_mismatch(
 
 
 def misfits(others: Any, *, but: str) -> list[str]:
-    """The pytree items of ``others`` but ``but`` whose saved paths or shapes differ from
-    the template's (metadata only); one that cannot be compared is left out."""
+    """The pytree items of ``others`` but ``but`` whose saved paths or shapes differ."""
     out = []
     for name, (loc, kind, like) in others.items():
         if name == but or kind != "pytree" or like is None:

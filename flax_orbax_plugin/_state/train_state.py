@@ -35,8 +35,7 @@ _ELEMENT_KINDS = (
 
 
 def _nnx():
-    """``flax.nnx`` if this process imported it, else None (no NNX object can exist
-    then): a tree of plain arrays never imports flax (seconds on a cold start)."""
+    """``flax.nnx`` if imported, else None (no NNX object can exist; flax is slow to import)."""
     return sys.modules.get("flax.nnx")
 
 
@@ -182,8 +181,7 @@ def _split_parts(state: Mapping[str, Any] | list | tuple) -> dict[str, Any]:
 
 
 def split_state(state: Any) -> dict[str, Any]:
-    """``{item name: value}`` of a training state; TypeError for an unsupported kind (naming
-    a tuple element's position) or two parts providing the same item."""
+    """``{item name: value}`` of a training state; TypeError for what cannot be split."""
     if state is None:
         return {}
     kind = _nnx_kind(state)
@@ -208,8 +206,7 @@ def _subset(restored: Mapping[str, Any], names: Any) -> dict[str, Any]:
 
 
 def merge_state(like: Any, restored: Mapping[str, Any]) -> Any:
-    """``restored`` items put back into a state shaped like ``like`` (items it lacks keep
-    ``like``'s value); with ``like=None`` the dict of items."""
+    """``restored`` items put back into a state like ``like`` (None: the dict of items)."""
     if like is None:
         return dict(restored)
     kind = _nnx_kind(like)
@@ -268,8 +265,7 @@ def holds_nnx_objects(state: Mapping[str, Any]) -> bool:
 
 
 def update_in_place(like: Any, restored: Any) -> Any:
-    """``restored`` written into ``like``'s NNX objects (Module, Optimizer, Rngs: restored
-    in place), also inside a tuple, list or dict; else ``restored`` (a State is a value)."""
+    """``restored`` written into ``like``'s NNX objects (also nested), else ``restored``."""
     if _nnx_kind(like) in _NNX_GRAPH_KINDS:
         if type(restored) is not type(like):  # a RestorePlan (dry_run)
             return restored
