@@ -110,8 +110,7 @@ def write_data(
     batch_specs = [(name, _arrays.batch_spec(staging, b)) for name, b in batches.items()]
     if primary:
         _create(arrays + batch_specs)
-    # links or copies run on helper threads while the changed leaves are written; a leaf
-    # whose link or copy fails is written after them
+    # links or copies on helper threads beside the writes (one that fails: written after)
     linking = [(leaf, spec) for leaf, spec in arrays if leaf.index in links and leaf.writes]
     linker, linked = _start_links(staging, linking, links)
     # local plain arrays and batches: ChunkFileWriter; the rest, or a region it declines: ts

@@ -40,13 +40,9 @@ DEFAULT_WRITE_LIMIT_BYTES = 1 << 30  # bytes of writes in flight, by default
 @dataclasses.dataclass(frozen=True)
 class SaveRequest:
     """How one pytree is saved: ``fop.save_async``'s options, checked, plus a manager's.
-
-    ``format_version``: the one place the save's format is chosen; ``own_copy``: a host's
-    own directory (every process writes all it holds and every JSON file); ``created_at``:
-    the document's time (agreed for an own copy; None: when written); ``reuse``: an
-    ``_incremental.Reuse`` or None; ``cancelled``: set on cancel: the writes stop;
-    ``region``: the collective operation the save is part of.
-    """
+    ``own_copy``: a host's own directory (every process writes all it holds); ``created_at``:
+    the document's time (None: when written); ``cancelled``: set on cancel: the writes
+    stop; ``region``: the collective operation the save is part of."""
 
     format_version: int = DEFAULT_FORMAT_VERSION
     compression: str | None = None
@@ -216,8 +212,7 @@ class DataFiles:
         return direct.compressed_batch(batch)  # compressed: its shards fetched; else None
 
     def reads_batch_runs(self, direct: Any, batch: BatchRecord) -> bool:
-        # local data files: runs of inner chunks read from their segments (a partial
-        # read reads only the needed leaves' inner chunks and the shards' indexes)
+        # local data files: the needed leaves' inner chunks read from their segments
         return batch.codec is None and direct.reads_ranges
 
     def check_lengths(self, location: Location, direct: Any) -> None:

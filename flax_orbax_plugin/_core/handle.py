@@ -217,7 +217,8 @@ class SaveHandle:
         phase would have finished."""
         if held is not None and held.received:
             self.cancelled.cancel(None)
-        _finish_at_exit(self)
+        _RUNNING.add(self)  # a save nobody waits for still commits at exit
+        _host.at_exit(_host.FINISH, _finish_running)
         self._thread.start()
         return self
 
@@ -348,14 +349,9 @@ class SaveHandle:
 _RUNNING: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
 
 
-def _finish_at_exit(handle: SaveHandle) -> None:
-    """An exit step waits for a save nobody waited for (abandoned after a Ctrl-C)."""
-    _RUNNING.add(handle)
-    _host.at_exit(_host.FINISH, _finish_running)
-
-
 def _finish_running() -> bool:
-    """True when a save failed and nobody read its error."""
+    """The exit step: waits for the saves still running (abandoned after a Ctrl-C); True
+    when one failed and nobody read its error."""
     # a Ctrl-C that ended the program is sys.last_value by now
     interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
     failed = False

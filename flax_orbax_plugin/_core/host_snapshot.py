@@ -113,9 +113,7 @@ def take_small(leaves: list, batches: dict[str, BatchRecord], pool, own_copy: bo
 
 
 def take_regions(leaves: list, batches: dict, pool, own_copy: bool, budget, device_kind: str):
-    """The regions stored as arrays of their own that this process writes, into their
-    leaves' ``writes``: (pooled buffers, whether the save waits for its writes: views held
-    under a ``budget``). Accelerator arrays staged as ``device_kind`` says."""
+    """This process's regions of arrays of their own, into ``writes``: (pooled, waits)."""
     _, pooled, keep, _, owned = _owned(leaves, batches, pool, own_copy, small=False)
     later: list[tuple[np.ndarray, np.ndarray]] = []  # pooled copies, made all at once
     streamed = budget is not None
@@ -156,9 +154,8 @@ def _is_small(leaf) -> bool:
     return isinstance(leaf.record.storage, BatchStorage)
 
 
-# Each chunk checksummed as it is copied into the pool, where the C kernel is built
-# (benchmarks/results/onepass_kernel.json: a save's CPU 0.376 -> 0.263 s per 1.2 GB);
-# in Python the one pass would lengthen the blocking phase (0.132 -> 0.213 s).
+# Each chunk checksummed as copied into the pool, with the C kernel only (in Python the
+# blocking phase would lengthen: benchmarks/results/onepass_kernel.json).
 ONE_PASS = _chunks.has_kernel()
 
 
@@ -408,7 +405,6 @@ class WritesInFlight:
             raise CheckpointError(f"writing array data to {staging} failed: {error}") from error
 
     def drain(self, to: int) -> None:
-        """Waits for the oldest writes until at most ``to`` bytes are in flight."""
         while self.futures and (self.in_flight > to or self.futures[0][0].done()):
             future, nbytes = self.futures.popleft()
             future.result()

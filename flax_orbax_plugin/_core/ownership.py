@@ -66,9 +66,7 @@ def unclaim(loc: Location) -> None:
 
 
 def proof(loc: Location, *, step: int | None = None) -> str | None:
-    """What proves ``loc`` ours (``"step manifest"``, ``"commit marker"``, ``"pending
-    marker"``), or None; with ``step``, a manifest must name it. ForeignEntryError when a
-    local ``loc`` is not a real directory."""
+    """What proves ``loc`` ours, or None; ForeignEntryError for a local non-directory."""
     if loc.is_local:
         path = loc.path.rstrip("/")
         try:
@@ -137,9 +135,7 @@ def remove(loc: Location, *, action: str = "remove", step: int | None = None) ->
 
 
 def check_slot(loc: Location, *, what: str, replace: bool, take_empty: bool = True) -> str | None:
-    """Before writing a checkpoint or step at ``loc``: refuses a place held by something
-    foreign (ForeignEntryError), a committed one of ours unless ``replace``, and an empty
-    directory if not ``take_empty`` (FORMAT.md). Returns the proof found (None: empty)."""
+    """Before writing at ``loc``: refuses what is foreign, or committed unless ``replace``."""
     if is_empty(loc):
         if not take_empty and loc.is_local and exists(loc):
             raise ForeignEntryError(

@@ -1,5 +1,5 @@
-"""How one pytree is read (:class:`ReadRequest`), its targets and claims checked, and
-the pieces every read uses.
+"""How one pytree is read (:class:`ReadRequest`), its targets and claims checked, the
+agreement of the processes of a collective read, and the pieces every read uses.
 
 Threading: the restoring (calling) thread only.
 
@@ -20,7 +20,13 @@ from .._base import distributed as _distributed
 from .._base import env as _env
 from .._base import host as _host
 from .._base import tree as _tree
-from .._errors import CheckpointError, CorruptCheckpointError, StepDeletedError, StructureError
+from .._errors import (
+    CheckpointError,
+    CoordinationError,
+    CorruptCheckpointError,
+    StepDeletedError,
+    StructureError,
+)
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import (
@@ -45,21 +51,16 @@ from .._zarr import packed_reader as _packed_reader
 from .._zarr import subbyte as _subbyte
 from .._zarr.chunks import CHUNK_DIR
 
-# Reads in flight beyond the result. Small: leaves read one after another (each with
-# tensorstore's chunk parallelism) are as fast on few cores, and keep peak memory low.
+# Reads in flight beyond the result: small (each read is parallel already), low peak memory.
 DEFAULT_READ_LIMIT_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class ReadRequest:
     """How one pytree is read: ``fop.restore``'s options, checked, plus a manager's.
-
-    ``share_reads``: processes read a replicated leaf together (each its rows, then an
-    all-gather; collective); ``own_copy``: a host's own directory, read by each process
-    alone (a sharded leaf's claims are not checked against the whole array);
-    ``dry_run``: return the ``RestorePlan``, reading no data; ``region``: the collective
-    operation the read is part of, or one that spans nothing.
-    """
+    ``share_reads``: a replicated leaf read by the processes together (collective);
+    ``own_copy``: a host's own directory, each process reading alone; ``region``: the
+    collective operation the read is part of, or one that spans nothing."""
 
     memory_limit_bytes: int = DEFAULT_READ_LIMIT_BYTES
     cast: str = "safe"
@@ -200,8 +201,7 @@ class Target:
     out_dtype: Any = None
     result: Any = None
     cast: str = "safe"  # the read's cast policy (ReadRequest.cast)
-    # a leaf layout surgery made (``_like.surgery.Made``): read through its node's
-    # pieces; ``record`` is then its stand-in (shape and dtype, no storage)
+    # a leaf layout surgery made (``_like.surgery.Made``); ``record``: its stand-in
     virtual: Any = None
 
 
@@ -559,3 +559,69 @@ def plain_read(index: int, record: Any, direct: Any, region: Any):
     dtype = _layout.dtype_from_name(record.dtype, path=record.path)
     sub = array_dir(index)
     return direct.read(sub, record.shape, record.storage.chunk_shape, dtype, region)
+
+
+# -- the processes of a collective read agree on what they read, before any byte --------
+
+_SHOWN_LEAVES = 4000  # leaves named in the second round (a digest beyond them)
+
+
+def agree_on_read(location: Location, like: Any, request: ReadRequest) -> None:
+    """CoordinationError on every process unless all read the same path, options and like.
+    Threading: the caller's, the same call on every process (inside the collective)."""
+    flat = [] if like is None else _tree.flatten(like)[0]
+    leaves = [f"{path} {_placed(leaf)}" for path, _, leaf in flat]
+    mine = {
+        "checkpoint": str(location),
+        "options": f"cast={request.cast!r}, {request.changes.describe()}",
+        "like": _layout.sha256("\n".join(leaves).encode()),
+    }
+    views = request.region.gather_json("read-agreement", mine)
+    for field in ("checkpoint", "options", "like"):
+        values = [v[field] for v in views]
+        if len(set(values)) == 1:
+            continue
+        if field == "like":
+            raise CoordinationError(_like_difference(leaves, request.region))
+        each = "; ".join(f"{v!r} on process {p}" for p, v in enumerate(values))
+        raise CoordinationError(
+            f"the processes of one collective restore read different {field}s ({each}): "
+            f"every process must pass the same path, step and options"
+        )
+
+
+def _placed(leaf: Any) -> str:
+    shape = getattr(leaf, "shape", None)
+    dtype = getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
+        return type(leaf).__name__  # a Python scalar, a string, None: no array to place
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        placed = f"{dict(sharding.mesh.shape)} {sharding.spec}"
+    else:  # a host array, or one device's (a process's own): not compared across
+        placed = "host" if isinstance(leaf, np.ndarray) else "local"
+    return f"{list(shape)} {dtype} {placed}"
+
+
+def _like_difference(leaves: list[str], region: _distributed.Region) -> str:
+    """The message for likes that differ (a second round: every process names its leaves)."""
+    views = region.gather_json("read-agreement-leaves", leaves[:_SHOWN_LEAVES])
+    first = views[0]
+    for p, other in enumerate(views[1:], start=1):
+        for a, b in zip(first, other, strict=False):
+            if a != b:
+                return (
+                    f"the processes of one collective restore passed different likes: the "
+                    f"first leaf that differs is {a!r} on process 0 and {b!r} on process "
+                    f"{p}; every process must pass the same tree, shapes, dtypes and "
+                    f"shardings (jax.eval_shape of one state, one mesh)"
+                )
+        if len(first) != len(other):
+            return (
+                f"the processes of one collective restore passed different likes: "
+                f"{len(first)} leaves on process 0, {len(other)} on process {p}"
+            )
+    return (
+        f"the processes of one collective restore passed different likes (past their "
+        f"first {_SHOWN_LEAVES} leaves)"
+    )

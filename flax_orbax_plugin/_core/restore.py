@@ -1,5 +1,6 @@
 """Restoring a pytree of this library's own onto a ``like`` template (or its plan),
-down to the reads of its targets through the format.
+down to the reads of its targets through the format (a leaf surgery made: from the boxes
+of the saved leaves it covers).
 
 Threading: reads are issued from the calling thread, whose callbacks run on it too; the
 host-memory budget bounds the bytes of reads in flight.
@@ -34,15 +35,13 @@ from .._format.steps import STEP_OR_NONE, read_document
 from .._like import onto_like as _onto_like
 from .._like import surgery as _surgery
 from .._like import surgery_mirrors as _surgery_mirrors
-from .._like.surgery_plan import PlanEntry, RestorePlan, full_box
+from .._like.surgery_plan import Piece, PlanEntry, RestorePlan, full_box
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
 from .._zarr import chunks as _chunks
 from .._zarr import subbyte as _subbyte
 from . import formats as _formats
-from . import surgery_reads as _surgery_reads
-from .read_agreement import agree_on_read
 from .reads import (
     DEFAULT_READ_LIMIT_BYTES,
     Reader,
@@ -50,6 +49,7 @@ from .reads import (
     ReadRequest,
     Target,
     add_missing_empties,
+    agree_on_read,
     corrupt,
     deleted_or,
     finish,
@@ -208,9 +208,7 @@ def _read_run(one: _Batch, run: list[Target]) -> None:
 
 
 def read_targets(location: Location, doc: CheckpointDocument, targets: list, request: ReadRequest):
-    """Reads every target's data into ``target.result``. Collective when the processes
-    read together (:func:`_collective`): they agree on the outcome of their reads before
-    any all-gather, so a read failing on one process raises on every process."""
+    """Reads every target; collective reads agree on their outcome before any all-gather."""
     collective = _collective(targets, request.share_reads)
     error = None
     shared: list = []
@@ -265,9 +263,8 @@ def _collective(targets: list, share_reads: bool) -> bool:
 
 def _read_targets_inner(location, doc: CheckpointDocument, targets: list, request: ReadRequest):
     fmt = _formats.of_document(doc)  # picked once, from the metadata
-    # the claims of the saved leaves surgery's leaves are made of are checked too
-    made = [t for t in targets if t.virtual is not None]  # surgery's leaves
-    checked = targets + (_surgery_reads.sources(made) if made else [])
+    made = [t for t in targets if t.virtual is not None]  # surgery's: their sources checked too
+    checked = targets + (sources(made) if made else [])
     # an item read alone (not through its manager) in a step that is one host's copy
     alone = not request.own_copy and _steps.in_host_copy(location)
     copy = _steps.of_item(location) if alone else None
@@ -287,7 +284,7 @@ def read_region(fmt, store, target: Target, direct, region=None):
     """A read of ``region`` (global; None: all) of one target's stored array."""
     record = target.record
     if target.virtual is not None:  # made by surgery: ``store`` reads the saved leaves
-        return _surgery_reads.VirtualRead(target.virtual, region, store)
+        return VirtualRead(target.virtual, region, store)
     if _chunks.is_packed(record):
         inner, width, skip = _subbyte.stored_region(record, region)
         read = fmt.read_stored(store, target.index, _subbyte.stored(record), direct, inner)
@@ -302,7 +299,7 @@ def _read_targets_with(location, doc, targets, request: ReadRequest, fmt, direct
     shared: list[tuple[Target, Any]] = []  # (target, its replicated sharding)
     saved_reads = None  # the saved leaves that surgery's leaves read, if there are any
     if any(t.virtual is not None for t in targets):
-        saved_reads = _surgery_reads.SavedReads(location, doc, fmt, direct, read_region, targets)
+        saved_reads = SavedReads(location, doc, fmt, direct, targets)
 
     def fail(paths):
         return lambda e: errors.append(corrupt(paths, location, e))
@@ -380,7 +377,7 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, fmt,
         box = _bounding_box(list(by_index), shape, target.record.storage.chunk_shape)
     else:  # made by surgery: read as one box unless every region is whole saved chunks
         regions = [tuple(_bounds(k, shape)) for k in by_index]
-        aligned = len(regions) < 2 or _surgery_reads.on_chunks(target.virtual, regions)
+        aligned = len(regions) < 2 or on_chunks(target.virtual, regions)
         box = None if aligned else _bounding_box(list(by_index), shape, shape)
     if box is not None:  # this process's regions tile one box: read it once
         groups = [(box, list(by_index.items()))]
@@ -423,8 +420,7 @@ def _bounds(key: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
 def _bounding_box(
     keys: list[tuple], shape: tuple[int, ...], chunk: tuple[int, ...]
 ) -> list[tuple[int, int]] | None:
-    """The box around several regions when a chunk straddles two of them and they (nearly)
-    fill it: one read, no chunk read twice; None when they fall on chunk boundaries."""
+    """One box around regions that share chunks and nearly fill it, else None."""
     if len(keys) < 2 or not shape:
         return None
     regions = [_bounds(k, shape) for k in keys]
@@ -604,3 +600,119 @@ def _maker(made: dict[str, Any], cast: str):
         return target
 
     return make
+
+
+# -- the leaves layout surgery made --------------------------------------------------------
+
+
+def _box(region: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A region (slices, None: all) as ``((lo, hi), ...)``."""
+    if region is None:
+        return tuple((0, n) for n in shape)
+    out = []
+    for s, n in zip(region, shape, strict=True):
+        lo, hi, _ = s.indices(n) if isinstance(s, slice) else (s, s + 1, 1)
+        out.append((lo, hi))
+    return tuple(out)
+
+
+class VirtualRead:
+    """The read of ``region`` of a made leaf: pieces read now, assembled on :meth:`result`."""
+
+    def __init__(self, made: Any, region: Any, saved: SavedReads):
+        pieces, self.assemble = made.node.pieces(_box(region, made.node.shape))
+        self.reads = [saved.read(p) for p in pieces]
+
+    def result(self) -> np.ndarray:
+        return self.assemble([r.result() for r in self.reads])
+
+
+class _Cut:
+    """A small leaf out of one read of its batch from ``start``, cut to ``box``."""
+
+    def __init__(self, read, start: int, record, box):
+        self.read, self.start, self.record, self.box = read, start, record, box
+
+    def result(self) -> np.ndarray:
+        off, size = self.record.storage.offset - self.start, self.record.storage.size
+        data = self.read.result()[off : off + size]
+        if self.record.storage.packed:  # a sub-byte leaf's packed bytes
+            data = _subbyte.unpack_flat(data, self.record)
+        data = data.reshape(self.record.shape)
+        return data[tuple(slice(lo, hi) for lo, hi in self.box)]
+
+
+class SavedReads:
+    """Region reads of saved leaves; a store opened once, a batch's span read once."""
+
+    def __init__(self, location, doc, fmt, direct, targets: list[Target]):
+        self.location, self.doc, self.fmt, self.direct = location, doc, fmt, direct
+        self.stores: dict[Any, Any] = {}
+        self.spans: dict[str, tuple[int, int]] = {}
+        for t in sources(targets):
+            storage = t.record.storage
+            if isinstance(storage, ArrayStorage):
+                continue
+            lo, hi = self.spans.get(storage.batch, (storage.offset, storage.offset))
+            end = storage.offset + storage.size
+            self.spans[storage.batch] = (min(lo, storage.offset), max(hi, end))
+
+    def read(self, piece: Piece):
+        record = piece.record
+        target = make_target(piece.index, record, None, cast="safe")
+        if isinstance(record.storage, ArrayStorage):
+            key = ("leaf", piece.index)
+            if key not in self.stores:
+                self.stores[key] = self.fmt.array_store(self.location, target, [record.path])
+            region = tuple(slice(lo, hi) for lo, hi in piece.box)
+            return read_region(self.fmt, self.stores[key], target, self.direct, region)
+        batch = self.doc.batches[record.storage.batch]
+        key = ("batch", batch.name)
+        if key not in self.stores:
+            self.stores[key] = self.fmt.batch_store(
+                self.location, batch, self.direct, [record.path]
+            )
+        lo, hi = self.spans[batch.name]
+        if ("span", batch.name) not in self.stores:
+            read = read_slice(self.stores[key], self.direct, batch, lo, hi - lo)
+            self.stores["span", batch.name] = _Once(read)
+        return _Cut(self.stores["span", batch.name], lo, record, piece.box)
+
+
+class _Once:
+    """A read waited for once, its array kept for every leaf cut from it."""
+
+    def __init__(self, read):
+        self.read, self.out = read, None
+
+    def result(self) -> np.ndarray:
+        if self.out is None:
+            self.out = self.read.result()
+        return self.out
+
+
+def on_chunks(made: Any, boxes: list[tuple[tuple[int, int], ...]]) -> bool:
+    """Whether every saved region ``boxes`` need falls on whole chunks (each box read alone)."""
+    for box in boxes:
+        pieces, _ = made.node.pieces(box)
+        for p in pieces:
+            storage = p.record.storage
+            if not isinstance(storage, ArrayStorage):
+                continue  # a small leaf: its batch span is read once whatever the boxes
+            for (lo, hi), c, n in zip(p.box, storage.chunk_shape, p.record.shape, strict=True):
+                if lo % c or (hi % c and hi != n):
+                    return False
+    return True
+
+
+def sources(targets: list[Target]) -> list[Target]:
+    """The saved leaves the made leaves among ``targets`` read (for the claims check)."""
+    out: dict[int, Target] = {}
+    for t in targets:
+        if t.virtual is None:
+            continue
+        node = t.virtual.node
+        pieces, _ = node.pieces(tuple((0, n) for n in node.shape))
+        for p in pieces:
+            out.setdefault(p.index, make_target(p.index, p.record, None, cast="safe"))
+    return list(out.values())

@@ -73,7 +73,16 @@ class Staging:
         """Primary only: writes the marker last and makes the checkpoint visible."""
         self.location.write_bytes(marker, data)  # durable (file and directory fsynced)
         _env.kill_point("after_marker")
-        self._unclaim()  # the marker now proves it ours (a crash: a committed .partial-)
+        try:  # the marker now proves it ours (a crash: a committed .partial-)
+            _ownership.unclaim(self.location)
+        except Exception as e:  # noqa: BLE001  (a store refusing DELETE: committed all the same)
+            logger.warning(
+                "checkpoint: %s is committed, but its pending marker could not be removed "
+                "(%s: %s); it is left inside, harmless",
+                self.location,
+                type(e).__name__,
+                e,
+            )
         if not self.renames:
             return
         # an empty directory at the final name holds nothing to lose (rmdir: if empty)
@@ -94,19 +103,6 @@ class Staging:
             self.location.rename(self.final)
         _ownership.remove(old, action="remove the replaced")
         self._remove_stale_siblings()
-
-    def _unclaim(self) -> None:
-        """A store that refuses the delete (PUT allowed, not DELETE) leaves it: a WARNING."""
-        try:
-            _ownership.unclaim(self.location)
-        except Exception as e:  # noqa: BLE001  (committed all the same)
-            logger.warning(
-                "checkpoint: %s is committed, but its pending marker could not be removed "
-                "(%s: %s); it is left inside, harmless",
-                self.location,
-                type(e).__name__,
-                e,
-            )
 
     def _remove_stale_siblings(self) -> None:
         """After a commit: dead stagings of earlier saves of the same name go."""
@@ -251,15 +247,13 @@ def _start(
     """The blocking phase; the handle goes to ``started`` once its background phase runs."""
     with _IN_FLIGHT_LOCK:
         _host.wait_for_pending_save()  # interruptible: nothing of this save exists yet
-        # Ctrl-C held over the blocking phase (never raised inside a JAX or tensorstore
-        # callback, which would drop it), and raised at its end.
+        # Ctrl-C held over the blocking phase (a JAX callback would drop it), raised at its end
         with _interrupts.deferred_sigint() as ctrl_c:
             start = time.perf_counter()
             location = Location.from_path(path)
             cancelled = Cancellation()  # the writes stop once it is set
             snap = snapshot(tree, request.replace(cancelled=cancelled))
-            # a foreign or (without force) committed target refused; cleared in the
-            # background phase on object stores
+            # a foreign or committed (without force) target refused; object stores: cleared later
             region = request.region
             held = _ownership.prepare_slot(
                 location, what="a checkpoint", replace=force, clear=False, region=region

@@ -164,37 +164,31 @@ def verify_step(
 def _verify_item(step_loc, manifest: StepManifest, name, step, progress, copy, budget: int):
     """One item of a step: the files its kind needs, its JSON checksums, a pytree's data."""
     entry = manifest.items[name]
-    item_loc = step_loc.child(entry.dir)
+    item_loc, kind = step_loc.child(entry.dir), entry.kind
     note = None if copy is None else copy.note
-    try:
-        _check_item_files(item_loc, name, entry.kind, manifest, copy)
-    except CheckpointError as e:
-        return VerifyResult(str(item_loc), step, name, False, str(e), note)
-    if entry.kind == "pytree":
-        return _verify_pytree(item_loc, step, name, progress, budget, copy)
-    return VerifyResult(str(item_loc), step, name, True, None, note)
-
-
-def _check_item_files(
-    item_loc: Location, name: str, kind: str, manifest: StepManifest, copy: Any = None
-) -> None:
     elsewhere = set() if copy is None else copy.elsewhere(kind, manifest.process_count)
     prefix = f"{item_loc.name}/"
     listed = [f[len(prefix) :] for f in manifest.files if f.startswith(prefix)]
     required = {"pytree": [METADATA_FILE], "json": [JSON_VALUE_FILE], "step": [JSON_VALUE_FILE]}
     if kind == "data_iterator":
         required[kind] = [iterator_state_file(p) for p in range(manifest.process_count)]
-    for needed in required.get(kind, []):
-        if needed not in listed:
-            raise CheckpointError(
-                f"item {name!r} ({kind}): the step manifest lists no {needed}; expected one "
-                f"for every {kind} item"
-            )
-    for file in listed:
-        if file in elsewhere and not item_loc.exists(file):
-            continue  # another host's file, in that host's own directory
-        if file != METADATA_FILE:  # read with its pytree below
-            _layout.read_item_json(item_loc, file)
+    try:
+        for needed in required.get(kind, []):
+            if needed not in listed:
+                raise CheckpointError(
+                    f"item {name!r} ({kind}): the step manifest lists no {needed}; expected "
+                    f"one for every {kind} item"
+                )
+        for file in listed:
+            if file in elsewhere and not item_loc.exists(file):
+                continue  # another host's file, in that host's own directory
+            if file != METADATA_FILE:  # read with its pytree below
+                _layout.read_item_json(item_loc, file)
+    except CheckpointError as e:
+        return VerifyResult(str(item_loc), step, name, False, str(e), note)
+    if kind == "pytree":
+        return _verify_pytree(item_loc, step, name, progress, budget, copy)
+    return VerifyResult(str(item_loc), step, name, True, None, note)
 
 
 def _verify_pytree(loc: Location, step, item, progress, budget: int, copy=None) -> VerifyResult:
@@ -216,8 +210,7 @@ def check_pytree(
     what: str = "",
     held: _steps.HeldItem | None = None,
 ) -> None:
-    """Checks a committed pytree as restore reads it, at most ``budget`` bytes at a time;
-    raises restore's CorruptCheckpointError, or OSError. ``held``: a host copy's item."""
+    """Checks a committed pytree as restore reads it, ``budget`` bytes at a time."""
     _host.wait_for_pending_save(location)
     doc = read_document(location)
     location.check_no_links(read=_formats.checkpoint_names)  # tensorstore follows links

@@ -28,7 +28,6 @@ def nonce_of(raw: bytes | None) -> str | None:
 
 
 def holds_nonce(loc: Location, nonce: str) -> bool:
-    """True when ``loc``'s pending marker is this save's own (written with ``nonce``)."""
     try:
         return nonce_of(_handle.read(loc)) == nonce
     except CheckpointError:
@@ -36,8 +35,7 @@ def holds_nonce(loc: Location, nonce: str) -> bool:
 
 
 def claim_in_place(loc: Location, nonce: str, *, fresh: bool) -> None:
-    """Object stores: writes the pending marker only where no live writer's is (a
-    conditional request); ``fresh``: a commit record found then takes it back, refused."""
+    """Object stores: the pending marker written only where no live writer's is."""
     raw, generation = loc.read_versioned(
         PENDING_FILE, max_bytes=_local_files.PENDING_MARKER.max_bytes
     )

@@ -23,8 +23,7 @@ from .._base import host as _host
 from .._base.distributed import public
 from .._base.env import check
 from .._core import restore as _restore
-from .._core.read_agreement import agree_on_read
-from .._core.reads import ReadRequest, place
+from .._core.reads import ReadRequest, agree_on_read, place
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -75,8 +74,7 @@ def _reader(item: StepItem) -> Any:
     return reader
 
 
-# Onto devices of several processes the restore is collective (``region=``, drawn by
-# ``_base.distributed``); onto host arrays one may read alone (a region spanning nothing).
+# Onto devices of several processes the restore is collective (``region=``).
 @public(
     "restore",
     spans=lambda path, like=None, **_: _restore.spans_processes(like),
@@ -224,10 +222,9 @@ def metadata(path: Any) -> _layout.CheckpointMetadata:
     except (CheckpointError, OSError) as e:
         what = f"unreadable: {e}"
     raise CheckpointNotFoundError(
-        f"{location} is an Orbax checkpoint ({what}), not one of this library's: "
-        f"fop.metadata describes this library's checkpoints. Read it as it is with "
-        f"fop.restore(path, like) or fop.restore_params, or convert it with "
-        f"fop.import_orbax(path, out_dir) and inspect the converted steps"
+        f"{location} is an Orbax checkpoint ({what}), not one of this library's (which "
+        f"fop.metadata describes): read it with fop.restore(path, like) or "
+        f"fop.restore_params, or convert it with fop.import_orbax(path, out_dir)"
     )
 
 
@@ -250,8 +247,7 @@ def _params_like(like: Any) -> Any:
     raise OptionTypeError(
         f"restore_params(like): expected the model, its params or a training state holding "
         f"them, found {type(like).__name__}, which holds no nnx.Param variables (its items: "
-        f"{sorted(items)}); pass the model (nnx.eval_shape(...) of it is enough) or "
-        f"nnx.state(model, nnx.Param)"
+        f"{sorted(items)}); pass the model (or its nnx.eval_shape) or nnx.state(model, nnx.Param)"
     )
 
 
@@ -340,7 +336,12 @@ def _serve(directory: Any, step: int | None, job: _Serving) -> Any:
     place = _steps.classify(loc, steps_first=True)
     steps = _steps.committed_steps(loc, place.listing)  # (an unreadable step: warned)
     if step is None and _spans(directory, job.like, sharding=job.sharding):
-        step, steps = _agreed_latest(loc, steps, job.request.region)
+        # the primary's latest step on every process (not two steps in one model)
+        op = job.request.region.next_operation_id("serve-step")
+        agreed = job.request.region.broadcast_str(op, str(steps[-1]) if steps else "")
+        if agreed:
+            step = int(agreed)
+            steps = steps if step in steps else _steps.committed_steps(loc)
     if not steps:
         if place.kind == _steps.ORBAX:
             return _orbax_params(directory, step, job)
@@ -355,7 +356,6 @@ def _serve(directory: Any, step: int | None, job: _Serving) -> Any:
 
 
 def _serve_step(loc: Location, steps: list[int], step: int, job: _Serving) -> Any:
-    """restore_params of committed ``step`` of ``loc``."""
     logger.info("restore_params: step %d of %s", step, loc)  # which step was served
     step_loc = _steps.step_location(loc, step)
     items = _layout.read_manifest(step_loc).items
@@ -418,19 +418,6 @@ def _pytree_item(items: Mapping, item: str, where: str, step_loc: Location) -> A
             f"arrays: fop.restore({str(step_loc)!r} + '/{items[item].dir}') reads it"
         )
     return items[item]
-
-
-def _agreed_latest(
-    loc: Location, steps: list[int], region: _distributed.Region
-) -> tuple[int | None, list[int]]:
-    """Collective (in ``region``): the primary's latest step on every process (else each
-    might read its own latest: two steps in one model), and this process's listing."""
-    op = region.next_operation_id("serve-step")
-    agreed = region.broadcast_str(op, str(steps[-1]) if steps else "")
-    if not agreed:
-        return None, steps
-    step = int(agreed)
-    return step, steps if step in steps else _steps.committed_steps(loc)
 
 
 def _orbax_params(directory: Any, step: int | None, job: _Serving) -> Any:

@@ -207,9 +207,8 @@ def _pair(it: Any) -> tuple[str, str]:
     if hasattr(it, "__iter__") and not hasattr(it, "__next__"):  # a dataset, a loader
         raise OptionTypeError(
             f"data_iterator: a {type(it).__name__} is an iterable, not the iterator that "
-            f"holds the position: pass the iterator the loop draws batches from (it = "
-            f"iter(dataset); grain's dataset and DataLoader iterators have get_state() "
-            f"and set_state()), and draw from that same it"
+            f"holds the position: pass it = iter(dataset) (grain's iterators have get_state() "
+            f"and set_state()), and draw the batches from that same it"
         )
     raise OptionTypeError(
         f"data_iterator: a {type(it).__name__} has neither get_state()/set_state() "

@@ -74,9 +74,7 @@ def items_to_restore(state: Any, *, reset: Iterable[str]) -> list[str]:
 def item_mismatch(
     error: StructureError, *, name: str, step: int, location: Any, others: Any = None
 ) -> StructureError:
-    """The core's StructureError for item ``name`` (a NothingMatchedError stays one), with
-    how to start it fresh together with every other item that does not fit either
-    (``others``: ``{item: (Location, kind, like's value)}``, compared by metadata)."""
+    """The core's StructureError for item ``name``, with how to start it (and ``others``) fresh."""
     detail = str(error).removesuffix("; pass partial=True to restore a subtree")
     detail = detail.removesuffix("\n" + HINT)
     names = [name, *misfits(others or {}, but=name)]
@@ -130,16 +128,14 @@ UNREAD_OK = frozenset({"extras", "data_iterator"})
 
 
 def warn_unread(step: int, location: Any, saved: Iterable[str], read: Iterable[str]) -> None:
-    """Warns when a restore into ``like`` leaves out items of ``saved`` (a ``batch_stats``
-    the state lacks): the run would go on without them, silently."""
+    """Warns when a restore into ``like`` leaves out saved items (the run would lose them)."""
     unread = sorted(set(saved) - set(read) - UNREAD_OK)
     if unread:
         warnings.warn(
             f"step {step} of {location} holds item(s) {unread} that like does not have: "
-            f"they are not restored, and the run goes on without them. Give like (the "
-            f"state) those items; or, to leave them out on purpose, pass partial=True "
-            f"(CheckpointCallback.on_train_start or CheckpointManager.restore), or name "
-            f"the items to restore (CheckpointManager.restore(like=..., items=[...]))",
+            f"they are not restored, and the run goes on without them. Give like those "
+            f"items; or, to leave them out on purpose, pass partial=True or items=[...] "
+            f"(CheckpointCallback.on_train_start or CheckpointManager.restore)",
             UserWarning,
             stacklevel=outside_stacklevel(),
         )

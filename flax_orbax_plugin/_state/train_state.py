@@ -194,10 +194,8 @@ def split_state(state: Any) -> dict[str, Any]:
     if isinstance(state, list | tuple) and state:
         return _split_parts(state)
     raise TypeError(
-        f"cannot split a {type(state).__name__} into checkpointables: expected a Flax "
-        "TrainState (or other flax.struct dataclass), an nnx.Module, nnx.Optimizer, "
-        "nnx.ModelAndOptimizer, nnx.Rngs, nnx.State, a tuple of those, or a dict "
-        "{item name: value}"
+        f"cannot split a {type(state).__name__} into checkpointables: expected {_ELEMENT_KINDS}"
+        " (or another flax.struct dataclass), a tuple of those, or a dict {item name: value}"
     )
 
 
@@ -236,8 +234,7 @@ def merge_state(like: Any, restored: Mapping[str, Any]) -> Any:
 
 
 def _check_none_in_like(like: Mapping[str, Any], restored: Mapping[str, Any]) -> None:
-    """Refuses a field ``None`` in ``like`` (``dynamic_scale=None``) where the step holds
-    values: merged, it would silently hold a dict of numpy arrays."""
+    """Refuses a field None in ``like`` where the step holds values (silently a dict)."""
     for name, value in restored.items():
         if name not in like or like[name] is not None:
             continue
@@ -285,8 +282,7 @@ def update_in_place(like: Any, restored: Any) -> Any:
 
 
 def nnx_state_as_dict(like: Any) -> tuple[Any, Any]:
-    """``(pure dict, back)`` for an ``nnx.State`` (read as its pure dict, without NNX's
-    '/value'; ``back`` makes a new State of ``like``'s structure); else ``(like, None)``."""
+    """``(pure dict, back)`` for an ``nnx.State`` (``back``: a new State), else ``(like, None)``."""
     if _nnx_kind(like) != "state":
         return like, None
     nnx = _nnx()
