@@ -136,8 +136,7 @@ def write_data(
         if writer is not None:
             writer.close()
         if linker is not None:
-            # No link or copy is made after a failure's cleanup: queued ones never start.
-            linker.shutdown(wait=True, cancel_futures=True)
+            linker.shutdown(wait=True, cancel_futures=True)  # none after a failure's cleanup
     return pending.written, reused
 
 

@@ -93,8 +93,7 @@ SAVE: tuple[Option, ...] = (
         convert=_layout.check_codec,  # its errors name "compression"
         expected="None, 'zstd' or 'zstd:<level 1-22>'",
     ),
-    # None: the default version, as the manager's format_version=None means
-    Option("format_version", "choice", choices=(1, 2), none_ok=True),
+    Option("format_version", "choice", choices=(1, 2), none_ok=True),  # None: the default
     dataclasses.replace(MEMORY_LIMIT, name="data_file_bytes"),  # the same bounds
     HOST_MEMORY_BUDGET,
 )

@@ -350,8 +350,7 @@ _RUNNING: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
 
 
 def _finish_running() -> bool:
-    """The exit step: waits for the saves still running (abandoned after a Ctrl-C); True
-    when one failed and nobody read its error."""
+    """The exit step: waits for the saves still running; True when one failed unreported."""
     # a Ctrl-C that ended the program is sys.last_value by now
     interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
     failed = False

@@ -118,9 +118,8 @@ def require_ours(loc: Location, *, action: str, step: int | None = None) -> str:
     found = proof(loc, step=step)
     if found is None:
         raise ForeignEntryError(
-            f"refusing to {action} {loc}: expected a checkpoint or step this library "
-            f"created (our manifest, commit marker or pending marker), found none "
-            f"({_steps.contents(loc)}); nothing was changed"
+            f"refusing to {action} {loc}: expected a checkpoint or step this library created "
+            f"(a manifest or marker of ours), found none ({_steps.contents(loc)}); nothing changed"
         )
     return found
 
@@ -139,9 +138,8 @@ def check_slot(loc: Location, *, what: str, replace: bool, take_empty: bool = Tr
     if is_empty(loc):
         if not take_empty and loc.is_local and exists(loc):
             raise ForeignEntryError(
-                f"cannot write {what} at {loc}: an empty folder this library did not "
-                f"create is there (listed as foreign, never replaced); it is left alone. "
-                f"Remove it, then save again"
+                f"cannot write {what} at {loc}: an empty folder this library did not create "
+                f"is there (never replaced: it is left alone); remove it, then save again"
             )
         return None
     try:
@@ -153,9 +151,8 @@ def check_slot(loc: Location, *, what: str, replace: bool, take_empty: bool = Tr
         ) from None
     if found is None:
         raise ForeignEntryError(
-            f"cannot write {what} at {loc}: something this library did not create as a "
-            f"checkpoint is there ({_steps.contents(loc)}); it is left alone. Move it "
-            f"away or choose another path"
+            f"cannot write {what} at {loc}: something this library did not create is there "
+            f"({_steps.contents(loc)}); it is left alone. Move it away or choose another path"
         )
     if found == "pending marker":
         _liveness.refuse_if_held(loc, replace=replace)
@@ -211,9 +208,8 @@ def prepare_slot(
     take_empty: bool = True,
     region: _distributed.Region,
 ) -> bool:
-    """:func:`check_slot`, collective in ``region`` (with ``clear``: ours removed); whether
-    ``loc`` held something of ours. On an object store (a fast process's first object could
-    land before a slower one looks) the primary alone looks (one key-value round)."""
+    """:func:`check_slot`, collective in ``region``: whether ``loc`` held ours (``clear``:
+    removed). Object stores: the primary alone looks (a fast process may write first)."""
 
     def look() -> bool:
         held = check_slot(loc, what=what, replace=replace, take_empty=take_empty) is not None
@@ -243,8 +239,7 @@ def prepare_slot(
 
 _JSON_KINDS = ("json", "step", "data_iterator")
 
-# parts (relative path split on '/'), whether a directory -> the library writes it
-Rule = Callable[[list[str], bool], bool]
+Rule = Callable[[list[str], bool], bool]  # (path parts, is a directory) -> the library's
 
 
 def _step_rule(manifest: StepManifest) -> Rule:

@@ -53,9 +53,8 @@ def _text(path: str, leaf: str | bytes) -> str:
     raw = _utf8(leaf, f"leaf {path!r}: a str") if isinstance(leaf, str) else leaf
     if len(raw) > _layout.MAX_TEXT_BYTES:
         raise StructureError(
-            f"leaf {path!r}: a {type(leaf).__name__} of {len(raw)} bytes; str and bytes "
-            f"leaves are kept in the metadata, at most {_layout.MAX_TEXT_BYTES} bytes each "
-            f"(store larger data as a numpy uint8 array)"
+            f"leaf {path!r}: a {type(leaf).__name__} of {len(raw)} bytes; the metadata keeps at "
+            f"most {_layout.MAX_TEXT_BYTES} of a str or bytes leaf (store more as a uint8 array)"
         )
     return leaf if isinstance(leaf, str) else base64.b64encode(raw).decode("ascii")
 
@@ -187,8 +186,7 @@ class _Batching:
         batches = {}
         for batch, (dtype, process, chunk) in self.kinds.items():
             size = max(1, self.sizes.get(batch, 0))
-            # a small batch: a chunk just big enough (a power of two), as it is stored whole
-            chunk = min(chunk, 1 << (size - 1).bit_length())
+            chunk = min(chunk, 1 << (size - 1).bit_length())  # small: stored whole, as it is
             batches[batch] = BatchRecord(batch, dtype, process, size, chunk, codec)
         return batches
 
@@ -273,10 +271,9 @@ class Plan:
         ]
         on_device = [leaf for leaf in big if _host_snapshot.on_device(leaf.value)]
         kind = "none"
-        if budget is not None:
-            kind = "streamed" if on_device else "none"
-        elif on_device:
-            kind = _device_copy.staging_for(next(iter(on_device[0].value.devices())).platform)
+        if on_device:
+            platform = next(iter(on_device[0].value.devices())).platform
+            kind = "streamed" if budget is not None else _device_copy.staging_for(platform)
         note = ""
         if kind == "device":  # every jax.Array (a CPU one too) copied where it lives
             arrays = [leaf for leaf in big if isinstance(leaf.value, jax.Array)]

@@ -121,8 +121,7 @@ def check_claims(
     packed: Any = None,
 ) -> None:
     """CorruptCheckpointError unless the data every target reads holds what the metadata
-    claims, before anything sized by a claim is allocated. Version 1 (``packed`` None):
-    one ``stat`` per chunk file, local disks only; version 2: ``packed``'s indexes."""
+    claims (version 1: its chunk files, local disks only; 2: ``packed``'s indexes)."""
     if packed is None and not location.is_local:
         return
     where = f"{location}/{METADATA_FILE}"
@@ -201,8 +200,7 @@ class Target:
     out_dtype: Any = None
     result: Any = None
     cast: str = "safe"  # the read's cast policy (ReadRequest.cast)
-    # a leaf layout surgery made (``_like.surgery.Made``); ``record``: its stand-in
-    virtual: Any = None
+    virtual: Any = None  # a leaf surgery made (``_like.surgery.Made``); ``record``: its stand-in
 
 
 def make_target(index: int, record: LeafRecord, like: Any, *, cast: str) -> Target:
@@ -293,9 +291,8 @@ def _check_key_like(record: Any, like: Any) -> None:
     found = f"a PRNG key array of impl {record.impl!r} in the checkpoint"
     if not _onto_like.is_key_dtype(dtype):
         raise StructureError(
-            f"leaf {record.path!r}: expected {dtype}{list(shape)} (from like), found "
-            f"{found}; restore it into a key (jax.random.key(0, impl={record.impl!r}) or "
-            f"its eval_shape), then jax.random.key_data(...) for its raw words"
+            f"leaf {record.path!r}: expected {dtype}{list(shape)} (from like), found {found}; "
+            f"restore it into jax.random.key(0, impl={record.impl!r}), then take key_data(...)"
         )
     impl = getattr(getattr(dtype, "_impl", None), "name", None)
     if impl is not None and impl != record.impl:
@@ -404,9 +401,8 @@ def _unplaceable(items: list, sharding: Any, error: Exception) -> Exception:
 def cannot_place(path: str, dtype: Any, platform: str, error: Exception) -> StructureError:
     """Leaf ``path``'s ``dtype`` jax refused to place on ``platform``, for every reader."""
     return StructureError(
-        f"leaf {path!r}: jax cannot place a {dtype} array on "
-        f"{platform} ({' '.join(str(error).split())[:200]}); read it to the host "
-        "instead (a numpy array in like, or like=None)"
+        f"leaf {path!r}: jax cannot place a {dtype} array on {platform} "
+        f"({' '.join(str(error).split())[:200]}); read it to the host (numpy in like, or like=None)"
     )
 
 
@@ -495,8 +491,7 @@ class Reader:
     def __init__(self, limit: int, progress: _host.Progress | None = None):
         self.limit = limit
         self.progress = progress or _host.Progress()  # the bytes read, and asked for
-        # a batch file's leaves at a time: placed while the next files are read
-        self.placer = Placer(flush_bytes=min(limit, 16 << 20))
+        self.placer = Placer(flush_bytes=min(limit, 16 << 20))  # placed while more is read
         self.pending: collections.deque = collections.deque()
         self.in_flight = 0
 

@@ -214,8 +214,7 @@ def read_targets(location: Location, doc: CheckpointDocument, targets: list, req
     shared: list = []
     try:
         shared = _read_targets_inner(location, doc, targets, request)
-    except (CorruptCheckpointError, CheckpointNotFoundError) as e:
-        # damage, or (version 2: its indexes are read now) the checkpoint gone meanwhile
+    except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # or the checkpoint gone
         error = deleted_or(location, e)
     except Exception as e:  # noqa: BLE001  (re-raised below, after the agreement)
         error = e
@@ -263,10 +262,8 @@ def _collective(targets: list, share_reads: bool) -> bool:
 
 def _read_targets_inner(location, doc: CheckpointDocument, targets: list, request: ReadRequest):
     fmt = _formats.of_document(doc)  # picked once, from the metadata
-    made = [t for t in targets if t.virtual is not None]  # surgery's: their sources checked too
-    checked = targets + (sources(made) if made else [])
-    # an item read alone (not through its manager) in a step that is one host's copy
-    alone = not request.own_copy and _steps.in_host_copy(location)
+    checked = targets + sources(targets)  # the saved leaves surgery's leaves read: checked too
+    alone = not request.own_copy and _steps.in_host_copy(location)  # one host's copy, alone
     copy = _steps.of_item(location) if alone else None
     partial = [] if copy is None else copy.partial(location.name, [t.record for t in checked])
     if partial:  # one host's copy (a directory per host) never passes for the whole
@@ -297,9 +294,7 @@ def _read_targets_with(location, doc, targets, request: ReadRequest, fmt, direct
     errors: list[CorruptCheckpointError] = []
     by_batch: dict[str, list[Target]] = collections.defaultdict(list)
     shared: list[tuple[Target, Any]] = []  # (target, its replicated sharding)
-    saved_reads = None  # the saved leaves that surgery's leaves read, if there are any
-    if any(t.virtual is not None for t in targets):
-        saved_reads = SavedReads(location, doc, fmt, direct, targets)
+    saved_reads = SavedReads(location, doc, fmt, direct, targets)  # what surgery's leaves read
 
     def fail(paths):
         return lambda e: errors.append(corrupt(paths, location, e))
@@ -535,9 +530,7 @@ def _as_saved(location: Location, doc, request: ReadRequest, saved: list[str]) -
     """``like=None``: the saved leaves (a transform may drop some) on the host, as saved."""
     opts = request.changes
     if opts.surgery:
-        raise TransformError(
-            f"surgery= makes leaves like places (restore of {location}): pass like"
-        )
+        raise TransformError(f"surgery= needs like, found like=None (restore of {location})")
     leaves = list(enumerate(doc.leaves))
     if opts.transform is not None:
         leaves = [(i, rec) for i, rec in leaves if _dropped_or_same(opts, rec.path)]
@@ -628,14 +621,14 @@ class VirtualRead:
 
 
 class _Cut:
-    """A small leaf out of one read of its batch from ``start``, cut to ``box``."""
+    """A small leaf out of one read of its batch from ``start`` (``span()``), cut to ``box``."""
 
-    def __init__(self, read, start: int, record, box):
-        self.read, self.start, self.record, self.box = read, start, record, box
+    def __init__(self, span, start: int, record, box):
+        self.span, self.start, self.record, self.box = span, start, record, box
 
     def result(self) -> np.ndarray:
         off, size = self.record.storage.offset - self.start, self.record.storage.size
-        data = self.read.result()[off : off + size]
+        data = self.span()[off : off + size]
         if self.record.storage.packed:  # a sub-byte leaf's packed bytes
             data = _subbyte.unpack_flat(data, self.record)
         data = data.reshape(self.record.shape)
@@ -673,22 +666,10 @@ class SavedReads:
                 self.location, batch, self.direct, [record.path]
             )
         lo, hi = self.spans[batch.name]
-        if ("span", batch.name) not in self.stores:
+        if ("span", batch.name) not in self.stores:  # waited for once, for every leaf cut
             read = read_slice(self.stores[key], self.direct, batch, lo, hi - lo)
-            self.stores["span", batch.name] = _Once(read)
+            self.stores["span", batch.name] = functools.cache(read.result)
         return _Cut(self.stores["span", batch.name], lo, record, piece.box)
-
-
-class _Once:
-    """A read waited for once, its array kept for every leaf cut from it."""
-
-    def __init__(self, read):
-        self.read, self.out = read, None
-
-    def result(self) -> np.ndarray:
-        if self.out is None:
-            self.out = self.read.result()
-        return self.out
 
 
 def on_chunks(made: Any, boxes: list[tuple[tuple[int, int], ...]]) -> bool:

@@ -134,11 +134,9 @@ def commit_collectively(
     structure: Callable[[], list[str]] | None = None,
     region: _distributed.Region,
 ) -> Written:
-    """The protocol of the module docstring; returns what this process wrote.
-
-    ``write`` runs on every process, ``publish(files)`` on the primary, ``abort()`` removes
-    what was staged; ``agreed``: the options every process must have saved with. Raises
-    this process's error, CoordinationError (disagreement), CheckpointError (another's)."""
+    """The protocol of the module docstring; returns what this process wrote. ``write`` runs
+    on every process, ``publish(files)`` on the primary, ``abort()`` removes what was staged.
+    Raises this process's error, CoordinationError (disagreement), CheckpointError (another's)."""
     error: BaseException | None = None
     written = Written()
     try:

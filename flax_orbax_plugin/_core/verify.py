@@ -41,8 +41,7 @@ MIN_WINDOW_BYTES = 64 << 10  # under a ceiling: the window is never smaller
 
 __all__ = ["VerifyResult", "verify"]
 
-# progress(total_bytes, what) -> a context manager with advance(nbytes, note)
-Progress = Callable[[int, str], Any]
+Progress = Callable[[int, str], Any]  # (total_bytes, what) -> a context with advance()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,9 +77,8 @@ def _words(raw: bytes | None) -> str:  # the marker's writer in words
 def refuse_held(loc: Location, who: str) -> None:
     """DirectoryLockedError: ``who`` (a writer's words) holds ``loc`` under its marker."""
     raise DirectoryLockedError(
-        f"cannot write at {loc}: another save or removal ({who}) is writing there "
-        f"(its pending marker {PENDING_FILE}); nothing was written. Wait for it to end, "
-        f"or, if it died, run `flax_orbax_plugin gc` on its directory"
+        f"cannot write at {loc}: another save or removal ({who}) holds it ({PENDING_FILE}); "
+        f"nothing was written. Wait for it to end, or if it died run `flax_orbax_plugin gc`"
     )
 
 

@@ -408,9 +408,8 @@ def _pytree_item(items: Mapping, item: str, where: str, step_loc: Location) -> A
     """The manifest entry of pytree item ``item``, else an error naming the items there."""
     if item not in items:  # which items there are, and how to read one of them
         raise CheckpointNotFoundError(
-            f"{where} holds no {item} item (its items: {sorted(items)}); "
-            f"restore_params(..., item=<one of them>) or fop.restore({str(step_loc)!r} + "
-            f"'/<item>') reads one"
+            f"{where} holds no {item} item (its items: {sorted(items)}); restore_params(..., "
+            f"item=<one of them>) or fop.restore({str(step_loc)!r} + '/<item>') reads one"
         )
     if items[item].kind != "pytree":
         raise CheckpointError(
@@ -425,8 +424,7 @@ def _orbax_params(directory: Any, step: int | None, job: _Serving) -> Any:
     if job.item != "params":  # the params choice reads Orbax's own layouts (orbax_reader)
         raise CheckpointError(
             f"{directory} is an Orbax checkpoint: item={job.item!r} chooses an item of this "
-            f"library's steps; read that Orbax item with fop.restore('{directory}/<step>/"
-            f"{job.item}'), or convert the run first (fop.import_orbax)"
+            f"library's steps; read it with fop.restore('{directory}/<step>/{job.item}')"
         )
     changes, dry_run = job.request.changes, job.request.dry_run
     if changes.keep_missing or changes.transform is not None or changes.surgery or dry_run:

@@ -96,13 +96,12 @@ def item_mismatch(
         why = why.replace("; a new optimizer", ", and the optimizer state that mirrors its params")
     return StructureError(
         f"item {name!r} of step {step} in {location} does not fit the given state: "
-        f"{detail}{also}\n"
-        f"If {'they' if len(names) > 1 else 'it'} changed on purpose ({why}), keep the "
-        f"given state's {shown} and restore the rest: "
-        f"CheckpointCallback.on_train_start(state, reset={reset}), "
-        f"or CheckpointManager.restore(like=state, items=[...{but}]). "
-        f"If the model changed (layers added, dropped or renamed), pass partial=True, "
-        f"missing='keep' or transform= to on_train_start or CheckpointManager.restore"
+        f"{detail}{also}\nIf {'they' if len(names) > 1 else 'it'} changed on purpose "
+        f"({why}), keep the given state's {shown} and restore the rest: "
+        f"CheckpointCallback.on_train_start(state, reset={reset}), or "
+        f"CheckpointManager.restore(like=state, items=[...{but}]). If layers were added, "
+        f"dropped or renamed, pass partial=True, missing='keep' or transform= to "
+        f"on_train_start or CheckpointManager.restore"
     )
 
 
@@ -123,8 +122,7 @@ def misfits(others: Any, *, but: str) -> list[str]:
     return out
 
 
-# Items a restore into ``like`` may leave out without a word (data_iterator: warn_replay)
-UNREAD_OK = frozenset({"extras", "data_iterator"})
+UNREAD_OK = frozenset({"extras", "data_iterator"})  # left out of a restore without a word
 
 
 def warn_unread(step: int, location: Any, saved: Iterable[str], read: Iterable[str]) -> None:

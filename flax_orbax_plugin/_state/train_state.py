@@ -81,11 +81,9 @@ def _split_module_parts(parts: Any) -> dict[str, Any]:
 
 def _split_optimizer(x: Any) -> dict[str, Any]:
     nnx = _nnx()
-    # Static parts (tx, wrt) are attributes, not state: never written.
-    items = dict(nnx.to_pure_dict(nnx.state(x)))
+    items = dict(nnx.to_pure_dict(nnx.state(x)))  # tx, wrt: attributes, never written
     items.pop("model", None)  # a ModelAndOptimizer's model: split as a module
-    # An optimizer without arrays (optax.sgd) still has an opt_state: an empty one.
-    items.setdefault("opt_state", {})
+    items.setdefault("opt_state", {})  # an optimizer without arrays (optax.sgd): an empty one
     return items
 
 
@@ -244,10 +242,9 @@ def _check_none_in_like(like: Mapping[str, Any], restored: Mapping[str, Any]) ->
             shown = ", ".join(paths[:3]) + (" ..." if len(paths) > 3 else "")
             raise StructureError(
                 f"item {name!r}: the given state's field {name!r} is None, but the step "
-                f"holds {len(paths)} value(s) there ({shown}); give the state a {name} to "
-                f"restore them into, or keep it None and leave the item out: "
-                f"CheckpointCallback.on_train_start(state, reset=({name!r},)) or "
-                f"CheckpointManager.restore(like=state, items=[...])"
+                f"holds {len(paths)} value(s) there ({shown}); give the state a {name}, or "
+                f"leave the item out: CheckpointCallback.on_train_start(state, reset="
+                f"({name!r},)) or CheckpointManager.restore(like=state, items=[...])"
             )
 
 
