@@ -1,5 +1,4 @@
-"""The save's request, the entry points' options, and the format seam (one ``Format``
-per version).
+"""The save's request, the entry points' options, the format seam (one ``Format`` a version).
 
 Options are checked once, the entry point's first act, on the caller's thread; a request
 never changes; the write runs on the save's background thread, the read on the restoring one.
@@ -39,10 +38,23 @@ DEFAULT_WRITE_LIMIT_BYTES = 1 << 30  # bytes of writes in flight, by default
 
 @dataclasses.dataclass(frozen=True)
 class SaveRequest:
-    """How one pytree is saved: ``fop.save_async``'s options, checked, plus a manager's.
-    ``own_copy``: a host's own directory (every process writes all it holds); ``created_at``:
-    the document's time (None: when written); ``cancelled``: set on cancel: the writes
-    stop; ``region``: the collective operation the save is part of."""
+    """How one pytree is saved (the options of ``fop.save_async``, checked, plus what a
+    manager adds per step and item).
+
+    ``format_version``: 2 (data files, the default) or 1 (chunk files), the one place the save's
+    format is chosen; ``compression``: a checked codec or None;
+    ``memory_limit_bytes``: writes in flight (None: the default, see :attr:`limit`);
+    ``host_memory_budget``: host bytes the save may hold beyond the state;
+    ``data_file_bytes``: version 2's data file size; ``own_copy``: a host's own
+    directory (every process writes all it holds and every JSON file);
+    ``created_at``: the document's time (the same on every process for an own copy;
+    None: when written); ``reuse``: an ``_incremental.Reuse`` (a manager with
+    ``incremental=True``) or None; ``buffers``: a manager's host buffers or None;
+    ``cancelled``: set when the save is cancelled (Ctrl-C): its writes stop;
+    ``region``: the collective operation the save is part of (``_base.distributed``:
+    its names are drawn there, its waits look at its failures; by default one that
+    spans nothing).
+    """
 
     format_version: int = DEFAULT_FORMAT_VERSION
     compression: str | None = None
@@ -64,7 +76,8 @@ class SaveRequest:
 
     @property
     def limit(self) -> int:
-        """The bytes of writes in flight: at most half the host memory budget."""
+        """The bytes of writes in flight, ``memory_limit_bytes`` (default
+        ``DEFAULT_WRITE_LIMIT_BYTES``), at most half the host memory budget."""
         limit = self.memory_limit_bytes or DEFAULT_WRITE_LIMIT_BYTES
         budget = self.host_memory_budget
         return limit if budget is None else max(1, min(limit, budget // 2))
@@ -111,7 +124,9 @@ def check_save(**options: Any) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Written:
-    """What one process wrote: array bytes, ``{JSON file: sha256}``, array bytes reused."""
+    """What one process wrote: array bytes and ``{relative JSON file: sha256}``; plus the
+    array bytes it hard-linked or copied on the server from the previous step instead
+    (incremental steps)."""
 
     bytes_written: int = 0
     files: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -119,12 +134,9 @@ class Written:
 
 
 class Format(Protocol):
-    """One on-disk layout of a pytree's data (see the module docstring).
-
-    Call order on save (the background thread, every process): :meth:`reuser` and
-    :meth:`wrote` while planning reuse, then :meth:`write` once. On read (the caller's
-    thread): :meth:`open` once, then the reads per array and batch, then ``close()``.
-    """
+    """One on-disk layout of a pytree's data. Call order on save (the background thread,
+    every process): :meth:`reuser` and :meth:`wrote` while planning reuse, then :meth:`write`
+    once. On read (the caller's thread): :meth:`open`, the reads, then ``close()``."""
 
     version: int
     copies_before_writing: bool  # every region on host before the write starts
@@ -211,8 +223,7 @@ class DataFiles:
         return direct.compressed_batch(batch)  # compressed: its shards fetched; else None
 
     def reads_batch_runs(self, direct: Any, batch: BatchRecord) -> bool:
-        # local data files: the needed leaves' inner chunks read from their segments
-        return batch.codec is None and direct.reads_ranges
+        return batch.codec is None and direct.reads_ranges  # the needed inner chunks alone
 
     def check_lengths(self, location: Location, direct: Any) -> None:
         for name, (found, recorded) in direct.file_lengths().items():

@@ -154,8 +154,7 @@ def _is_small(leaf) -> bool:
     return isinstance(leaf.record.storage, BatchStorage)
 
 
-# Each chunk checksummed as copied into the pool, with the C kernel only (in Python the
-# blocking phase would lengthen: benchmarks/results/onepass_kernel.json).
+# Chunks checksummed as copied into the pool with the C kernel only (onepass_kernel.json).
 ONE_PASS = _chunks.has_kernel()
 
 

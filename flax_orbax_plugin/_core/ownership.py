@@ -208,8 +208,7 @@ def prepare_slot(
     take_empty: bool = True,
     region: _distributed.Region,
 ) -> bool:
-    """:func:`check_slot`, collective in ``region``: whether ``loc`` held ours (``clear``:
-    removed). Object stores: the primary alone looks (a fast process may write first)."""
+    """:func:`check_slot`, collective (object stores: the primary looks); whether ours."""
 
     def look() -> bool:
         held = check_slot(loc, what=what, replace=replace, take_empty=take_empty) is not None

@@ -78,9 +78,8 @@ def _check_document_size(nbytes: int, leaves: int, text_leaves: int) -> None:
     limit = _local_files.METADATA.max_bytes
     if nbytes > limit:
         raise StructureError(
-            f"{_layout.METADATA_FILE} of this tree would hold more than {nbytes} bytes "
-            f"({leaves} leaves, {text_leaves} str or bytes), more than a reader "
-            f"accepts ({limit}): store large text as uint8 arrays, or save fewer leaves"
+            f"{_layout.METADATA_FILE} of this tree would hold over {nbytes} bytes ({leaves} "
+            f"leaves, {text_leaves} str or bytes), past a reader's {limit}: save less text"
         )
 
 
@@ -124,9 +123,8 @@ def classify(path: str, leaf: Any) -> tuple[str, Any, str | None]:
     if isinstance(leaf, np.ndarray):
         if isinstance(leaf, np.ma.MaskedArray):
             raise StructureError(
-                f"leaf {path!r}: expected a plain numpy array, found a numpy masked array "
-                "(its mask would be lost); save its .data and .mask as two leaves, or "
-                "np.ma.filled(...) it"
+                f"leaf {path!r}: expected a plain numpy array, found a masked array (its mask "
+                "would be lost): save .data and .mask as two leaves, or np.ma.filled(...) it"
             )
         return "array", native_order(leaf), None
     if isinstance(leaf, str | bytes):
@@ -250,7 +248,9 @@ class Plan:
                 leaves.append(Leaf(index, None, LeafRecord(path, keys, kind, value=text)))
                 continue
             record = _data_record(path, keys, kind, value, impl, codec, batching)
-            shown = _host_value(value) if compared else None
+            shown = None  # a small host value's digest, compared across processes
+            if compared and isinstance(value, np.ndarray) and value.nbytes <= 1 << 16:
+                shown = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:12]
             leaves.append(Leaf(index, value, record, value_digest=shown))
         _check_document_size(doc_bytes, len(flat), text_leaves)
         version = _formats.for_version(request.format_version)  # picked once, here
@@ -415,12 +415,6 @@ def _digest(leaves: list[Leaf]) -> str:
         elif leaf.value_digest is not None:
             h.update(leaf.value_digest.encode())
     return h.hexdigest()
-
-
-def _host_value(value: Any) -> str | None:
-    if isinstance(value, np.ndarray) and value.nbytes <= 1 << 16:
-        return hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:12]
-    return None
 
 
 @functools.lru_cache(maxsize=1024)

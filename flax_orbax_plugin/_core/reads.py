@@ -51,16 +51,25 @@ from .._zarr import packed_reader as _packed_reader
 from .._zarr import subbyte as _subbyte
 from .._zarr.chunks import CHUNK_DIR
 
-# Reads in flight beyond the result: small (each read is parallel already), low peak memory.
-DEFAULT_READ_LIMIT_BYTES = 64 << 20
+DEFAULT_READ_LIMIT_BYTES = 64 << 20  # reads in flight beyond the result: small, low peak memory
 
 
 @dataclasses.dataclass(frozen=True)
 class ReadRequest:
-    """How one pytree is read: ``fop.restore``'s options, checked, plus a manager's.
-    ``share_reads``: a replicated leaf read by the processes together (collective);
-    ``own_copy``: a host's own directory, each process reading alone; ``region``: the
-    collective operation the read is part of, or one that spans nothing."""
+    """How one pytree is read (the options of ``fop.restore``, checked, plus what a
+    manager adds).
+
+    ``memory_limit_bytes``: reads in flight; ``cast``: ``"safe"`` (no cast that changes
+    a value) or ``"unsafe"``; ``share_reads``: processes read a replicated leaf
+    together (each its rows, then an all-gather; collective); ``own_copy``: a host's own
+    directory (each process reads alone; an array read onto a sharded ``like`` holds
+    only this host's chunks, so its claims are not checked against the whole array);
+    ``changes``: a restore into a changed model (``partial``, ``missing``,
+    ``transform``, ``surgery``); ``dry_run``: return the plan of the read
+    (``RestorePlan``), reading no array data; ``region``: the collective operation the
+    read is part of (``_base.distributed``; its processes agree on what they read),
+    or one that spans nothing (one process, or a read one process may make alone).
+    """
 
     memory_limit_bytes: int = DEFAULT_READ_LIMIT_BYTES
     cast: str = "safe"
@@ -86,7 +95,10 @@ class ReadRequest:
         region: _distributed.Region,
         ceiling: int | None = None,
     ) -> ReadRequest:
-        """The request of a manager step's items; ``ceiling``: a host-memory ceiling or None."""
+        """The request of a manager step's items, in the manager restore's ``region``:
+        each host's own directory is read by each process alone (no collective); else
+        replicated leaves are read shared. ``ceiling``: the manager's host-memory ceiling
+        in bytes (its reads in flight stay under it: ``read_limit``), or None."""
         share = not own_copy and _distributed.process_count() > 1
         changes = changes or Changes()
         limit = (
@@ -162,8 +174,7 @@ def _check_claim(location, packed, sub: str, needed, where: str, field: str, cla
     if stored is not None and stored != dtype:
         raise CorruptCheckpointError(
             f"{where}: field {field}.dtype: the metadata claims {dtype!r}, the data index "
-            f"records the bytes under {sub} as {stored!r} (the metadata or the index is "
-            f"damaged: restoring would reinterpret the bytes)"
+            f"records the bytes under {sub} as {stored!r} (one of them is damaged)"
         )
     if files == 0:
         return

@@ -1,6 +1,5 @@
-"""Restoring a pytree of this library's own onto a ``like`` template (or its plan),
-down to the reads of its targets through the format (a leaf surgery made: from the boxes
-of the saved leaves it covers).
+"""Restoring a pytree of ours onto a ``like`` template (or its plan), down to the reads of
+its targets through the format (a leaf surgery made: from the saved leaves it covers).
 
 Threading: reads are issued from the calling thread, whose callbacks run on it too; the
 host-memory budget bounds the bytes of reads in flight.
@@ -496,7 +495,19 @@ def restore_with(path: Any, like: Any, request: ReadRequest) -> Any:
     location = Location.from_path(path)
     _host.wait_for_pending_save(location)
     with _tree.paused_gc():
-        return _restore(location, like, request)
+        like = _onto_like.concrete(like)  # shardings on an AbstractMesh: onto set_mesh's mesh
+        if not request.own_copy and request.region.spans:  # a collective read
+            agree_on_read(location, like, request)  # the same on every process, before a byte
+        opts = request.changes
+        if location.is_local and not opts.partial and opts.transform is None and not opts.surgery:
+            # every batch is read whole: the disk starts on it while the metadata is parsed
+            _chunk_files.prefetch_batches(location.path, _chunks.THREADS)
+        doc = read_document(location)
+        location.check_no_links(read=_formats.checkpoint_names)  # tensorstore follows links
+        saved = [rec.path for rec in doc.leaves if rec.kind not in _onto_like.NO_DATA]
+        if like is None:
+            return _as_saved(location, doc, request, saved)
+        return _read_onto_like(location, doc, like, request, saved)
 
 
 def _dropped_or_same(opts: _onto_like.Changes, path: str) -> bool:
@@ -508,22 +519,6 @@ def _dropped_or_same(opts: _onto_like.Changes, path: str) -> bool:
             f"tree to place it in); with like=None a transform may only drop leaves (None)"
         )
     return new is not None
-
-
-def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
-    like = _onto_like.concrete(like)  # shardings on an AbstractMesh: onto set_mesh's mesh
-    if not request.own_copy and request.region.spans:  # a collective read
-        agree_on_read(location, like, request)  # the same on every process, before a byte
-    opts = request.changes
-    if location.is_local and not opts.partial and opts.transform is None and not opts.surgery:
-        # every batch is read whole: the disk starts on it while the metadata is parsed
-        _chunk_files.prefetch_batches(location.path, _chunks.THREADS)
-    doc = read_document(location)
-    location.check_no_links(read=_formats.checkpoint_names)  # tensorstore follows links
-    saved = [rec.path for rec in doc.leaves if rec.kind not in _onto_like.NO_DATA]
-    if like is None:
-        return _as_saved(location, doc, request, saved)
-    return _read_onto_like(location, doc, like, request, saved)
 
 
 def _as_saved(location: Location, doc, request: ReadRequest, saved: list[str]) -> Any:

@@ -1,5 +1,4 @@
-"""Saving a pytree (``fop.save``): the blocking snapshot, then the background write and
-the commit.
+"""Saving a pytree (``fop.save``): the blocking snapshot, the background write, the commit.
 
 Call order, on every process (all save the same tree in the same order): :func:`snapshot`
 (the caller's thread; it may then donate the arrays); :meth:`Snapshot.write` (a
@@ -134,8 +133,7 @@ def commit_collectively(
     structure: Callable[[], list[str]] | None = None,
     region: _distributed.Region,
 ) -> Written:
-    """The protocol of the module docstring; returns what this process wrote. ``write`` runs
-    on every process, ``publish(files)`` on the primary, ``abort()`` removes what was staged.
+    """The protocol of the module docstring; ``publish(files)`` runs on the primary alone.
     Raises this process's error, CoordinationError (disagreement), CheckpointError (another's)."""
     error: BaseException | None = None
     written = Written()

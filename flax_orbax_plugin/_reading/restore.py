@@ -145,7 +145,8 @@ def restore(
 
 def _read_place(location: Location, like: Any, request: ReadRequest) -> Any:
     """``fop.restore``: what is at ``location`` classified once, then read by its reader."""
-    place = _classified(location)
+    _host.wait_for_pending_save(location)
+    place = _steps.classify(location)
     if place.kind in _steps.PYTREES:
         return update_in_place(like, _restore.restore_with(location, like, request))
     if place.kind == _steps.JSON_ITEM:  # the pytree options are refused, not ignored
@@ -162,12 +163,6 @@ def _read_place(location: Location, like: Any, request: ReadRequest) -> Any:
     if place.kind != _steps.ORBAX:
         raise _steps.not_a_checkpoint(place)
     return update_in_place(like, _restore_orbax(location, like, request))
-
-
-def _classified(location: Location) -> _steps.Place:
-    """What is at ``location``, once this process's save to it has finished."""
-    _host.wait_for_pending_save(location)
-    return _steps.classify(location)
 
 
 def _restore_orbax(location: Location, like: Any, request: ReadRequest) -> Any:
@@ -198,7 +193,8 @@ def metadata(path: Any) -> _layout.CheckpointMetadata:
     """Leaf paths, shapes, dtypes and shardings of a checkpoint; reads no array data.
     On an Orbax checkpoint the error says what it holds and how to read it."""
     location = Location.from_path(path)
-    place = _classified(location)
+    _host.wait_for_pending_save(location)
+    place = _steps.classify(location)
     if place.kind in _steps.PYTREES:
         return _restore.metadata(location)
     if place.kind == _steps.JSON_ITEM:  # from the step manifest alone
@@ -347,12 +343,10 @@ def _serve(directory: Any, step: int | None, job: _Serving) -> Any:
             return _orbax_params(directory, step, job)
         raise _steps.no_steps(place)  # what is there instead (a step, a run below, ...)
 
-    def serve(chosen: int) -> Any:
-        return _serve_step(loc, steps, chosen, job)
-
     if step is not None:
-        return serve(_steps.choose_step(loc, steps, step))
-    return _steps.newest_readable(loc, steps, serve)  # past a step the environment shuts
+        return _serve_step(loc, steps, _steps.choose_step(loc, steps, step), job)
+    # past a step the environment shuts
+    return _steps.newest_readable(loc, steps, lambda chosen: _serve_step(loc, steps, chosen, job))
 
 
 def _serve_step(loc: Location, steps: list[int], step: int, job: _Serving) -> Any:
