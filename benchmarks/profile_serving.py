@@ -67,7 +67,7 @@ def main() -> None:
     timed(steps, "committed_steps")
     timed(layout, "read_manifest")
     timed(restore, "read_document")
-    timed(restore, "_restore")
+    timed(restore, "restore_with")
     timed(packed_reader, "read_index")
     timed(packed_reader, "open_packed")
     timed(F, "check_claims")

@@ -1,6 +1,5 @@
-"""The commit of several processes beyond the primary's own round (``_core.save``): the
-other processes' round, the test that their statuses agree, the first leaf where their
-trees differ, and the removal of staged files after an outcome other than committed.
+"""The commit rounds of several processes beside the primary's (``_core.save``): theirs,
+the agreement of their statuses, and the first leaf where their trees differ.
 
 Threading: the save's background thread, every process in the same order.
 """
@@ -17,8 +16,7 @@ from .._errors import CoordinationError
 
 
 def other_round(op, status, abort, structure, region) -> str:
-    """Another process's side: publishes its status, reads the outcome (waiting longer than
-    the primary may, so a missing process is named), discards its files unless committed."""
+    """Another process's side: its status published, the outcome read (waited for longer)."""
     region.publish(f"{op}/status", status)
     wait = 2 * region.stall_timeout()
     outcome = region.broadcast_str(f"{op}/outcome", None, timeout_s=wait)
@@ -69,18 +67,6 @@ def _first_difference(op: str, mine: list[str], region, p: int = 0, timeout_s=No
         theirs = json.loads(got)
     except (CoordinationError, ValueError):
         return ""
-    return _difference(mine, theirs, p)
-
-
-def their_difference(op: str, outcome: str, mine: list[str], region: _distributed.Region) -> str:
-    """The primary's side of :func:`_first_difference` (waits seconds at most)."""
-    found = re.search(r"process ([0-9]+) saved a " + STRUCTURE, outcome)
-    if found is None:
-        return ""
-    return _first_difference(op, mine, region, int(found.group(1)), timeout_s=10.0)
-
-
-def _difference(mine: list[str], theirs: list[str], p: int) -> str:
     for a, b in zip(mine, theirs, strict=False):
         if a != b:
             return f"; the first leaf that differs: {a!r} here, {b!r} on process {p}"
@@ -91,6 +77,14 @@ def _difference(mine: list[str], theirs: list[str], p: int) -> str:
             f"{'here' if len(mine) > len(theirs) else f'on process {p}'}: {extra!r})"
         )
     return "; the leaves' paths, kinds, dtypes, shapes and small values agree: a str leaf differs"
+
+
+def their_difference(op: str, outcome: str, mine: list[str], region: _distributed.Region) -> str:
+    """The primary's side of :func:`_first_difference` (waits seconds at most)."""
+    found = re.search(r"process ([0-9]+) saved a " + STRUCTURE, outcome)
+    if found is None:
+        return ""
+    return _first_difference(op, mine, region, int(found.group(1)), timeout_s=10.0)
 
 
 def discard(abort: Callable[[], None], outcome: str) -> str:

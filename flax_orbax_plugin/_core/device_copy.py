@@ -1,6 +1,5 @@
-"""A save's accelerator arrays: the staging a platform takes, the copy on their devices
-(:func:`snapshot`, blocking phase), its transfer to host (:func:`fetch`, background
-phase), and regions started on their way to host (:func:`start`).
+"""A save's accelerator arrays: the platform's staging, the copy on their devices
+(blocking phase) and their transfer to host (:func:`fetch`: background phase).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.host_snapshot``.
 """
@@ -46,9 +45,7 @@ def free_bytes(device: Any) -> int | None:
 
 
 def snapshot(arrays: list) -> tuple[list | None, str]:
-    """A copy of every array on its own devices (one jitted call per local device), or
-    (None, why) where a device lacks the memory. Blocking phase, saving thread; no
-    collective (each process copies its own shards and decides its fallback alone)."""
+    """A copy of every array on its devices, or (None, why); no collective."""
     need: dict[Any, int] = {}
     for x in arrays:
         for shard in x.addressable_shards:
@@ -106,9 +103,7 @@ class Deferred:
 
 
 def start(data: jax.Array, part: tuple[slice, ...] | None, *, kind: str) -> Deferred:
-    """The region ``part`` (None: all) of single-device ``data``, started as ``kind`` says:
-    ``streamed`` (a device copy), ``pinned`` (into pinned host memory, else ``host``),
-    ``host`` (``copy_to_host_async``: read before the blocking phase ends)."""
+    """The region ``part`` of single-device ``data``, started on its way as ``kind`` says."""
     if kind == "streamed":  # a copy on the device, which no donation of ``data`` invalidates
         return Deferred(jnp.copy(data) if part is None else data[part])
     region = data if part is None else data[part]

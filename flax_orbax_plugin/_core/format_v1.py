@@ -1,6 +1,5 @@
 """Format version 1 (one file per chunk, a ``zarr.json`` per array and batch): its
-``Format`` (:data:`CHUNK_FILES`) and its write (:func:`write_data`). Written on request
-(``format_version=1``) and in a directory per host; the seam is ``formats``.
+``Format`` (:data:`CHUNK_FILES`) and its write; the seam is ``formats``.
 
 Called on the save's background thread (write) and the restoring thread (reads).
 """
@@ -101,10 +100,7 @@ _LEAVES_COPIED_AT_ONCE = 4  # object stores: leaves whose chunks are copied conc
 def write_data(
     staging: Location, leaves: list, snap: Any, *, primary: bool, links: dict[int, Any]
 ) -> tuple[int, int]:
-    """Writes this process's chunks of ``snap`` (the primary: every zarr.json too), linking
-    or copying the leaves in ``links``; returns (bytes written, bytes reused). Takes its
-    batches out of ``snap.batch_data``; stops (KeyboardInterrupt) at the next region once
-    the request is cancelled."""
+    """This process's chunks written, ``links`` reused: (bytes written, bytes reused)."""
     batches = snap.batches
     arrays = [
         (leaf, _arrays.leaf_spec(staging, leaf.index, leaf.record))
@@ -114,8 +110,7 @@ def write_data(
     batch_specs = [(name, _arrays.batch_spec(staging, b)) for name, b in batches.items()]
     if primary:
         _create(arrays + batch_specs)
-    # links or copies run on helper threads while the changed leaves are written; a leaf
-    # whose link or copy fails is written after them
+    # links or copies on helper threads beside the writes (one that fails: written after)
     linking = [(leaf, spec) for leaf, spec in arrays if leaf.index in links and leaf.writes]
     linker, linked = _start_links(staging, linking, links)
     # local plain arrays and batches: ChunkFileWriter; the rest, or a region it declines: ts
@@ -141,8 +136,7 @@ def write_data(
         if writer is not None:
             writer.close()
         if linker is not None:
-            # No link or copy is made after a failure's cleanup: queued ones never start.
-            linker.shutdown(wait=True, cancel_futures=True)
+            linker.shutdown(wait=True, cancel_futures=True)  # none after a failure's cleanup
     return pending.written, reused
 
 

@@ -1,5 +1,4 @@
-"""The save's request (the frozen record of one save), the entry points' options, and the
-format seam (one ``Format`` per version; a read's request is ``reads``').
+"""The save's request, the entry points' options, the format seam (one ``Format`` a version).
 
 Options are checked once, the entry point's first act, on the caller's thread; a request
 never changes; the write runs on the save's background thread, the read on the restoring one.
@@ -106,8 +105,7 @@ SAVE: tuple[Option, ...] = (
         convert=_layout.check_codec,  # its errors name "compression"
         expected="None, 'zstd' or 'zstd:<level 1-22>'",
     ),
-    # None: the default version, as the manager's format_version=None means
-    Option("format_version", "choice", choices=(1, 2), none_ok=True),
+    Option("format_version", "choice", choices=(1, 2), none_ok=True),  # None: the default
     dataclasses.replace(MEMORY_LIMIT, name="data_file_bytes"),  # the same bounds
     HOST_MEMORY_BUDGET,
 )
@@ -135,12 +133,9 @@ class Written:
 
 
 class Format(Protocol):
-    """One on-disk layout of a pytree's data (see the module docstring).
-
-    Call order on save (the background thread, every process): :meth:`reuser` and
-    :meth:`wrote` while planning reuse, then :meth:`write` once. On read (the caller's
-    thread): :meth:`open` once, then the reads per array and batch, then ``close()``.
-    """
+    """One on-disk layout of a pytree's data. Call order on save (the background thread,
+    every process): :meth:`reuser` and :meth:`wrote` while planning reuse, then :meth:`write`
+    once. On read (the caller's thread): :meth:`open`, the reads, then ``close()``."""
 
     version: int
     copies_before_writing: bool  # every region on host before the write starts
@@ -152,8 +147,7 @@ class Format(Protocol):
     def write(
         self, snap: Any, location: Location, leaves: list, *, primary: bool, found: Any
     ) -> tuple:
-        """This process's data of ``snap`` (``found``: the reuse plan or None); returns
-        (bytes written, {file: sha256}, bytes reused)."""
+        """This process's data of ``snap``: (bytes written, {file: sha256}, bytes reused)."""
 
     def reuser(self, location: Location) -> Any:
         """How this process reuses unchanged data under ``location`` (None: it cannot)."""
@@ -228,9 +222,7 @@ class DataFiles:
         return direct.compressed_batch(batch)  # compressed: its shards fetched; else None
 
     def reads_batch_runs(self, direct: Any, batch: BatchRecord) -> bool:
-        # local data files: runs of inner chunks read from their segments (a partial
-        # read reads only the needed leaves' inner chunks and the shards' indexes)
-        return batch.codec is None and direct.reads_ranges
+        return batch.codec is None and direct.reads_ranges  # the needed inner chunks alone
 
     def check_lengths(self, location: Location, direct: Any) -> None:
         for name, (found, recorded) in direct.file_lengths().items():
@@ -298,8 +290,7 @@ _TOP_FILES = (_layout.COMMIT_FILE, _layout.METADATA_FILE, _layout.PENDING_FILE)
 
 
 def checkpoint_names(parts: list[str], is_dir: bool) -> bool:
-    """Whether the library writes the entry at ``parts`` (relative to a checkpoint);
-    anything else is a user's: never read, never removed."""
+    """Whether the library writes the entry at ``parts``: else never read, never removed."""
     head, rest = parts[0], parts[1:]
     if head in (_layout.ARRAYS_DIR, _layout.BATCHES_DIR):
         return is_dir or bool(rest)

@@ -1,5 +1,4 @@
-"""The pending marker (``_PENDING.json``: what it says, where it is found), and a save's
-``SaveHandle`` and ``SaveResult``.
+"""The pending marker (``_PENDING.json``), and a save's ``SaveHandle`` and ``SaveResult``.
 
 Marker functions are stateless, any thread; a handle's background phase runs on its own
 (non-daemon) thread; ``wait``, ``done`` and ``cancel`` from any thread.
@@ -61,8 +60,7 @@ def keeps(raw: bytes | None) -> list[str]:
 
 
 def temporary_files(loc: Location) -> list[str]:
-    """Local only: the marker's temporary files at the top of ``loc`` holding our marker,
-    its start, or nothing (a writer killed before its rename)."""
+    """Local only: the marker's temporary files in ``loc`` holding our marker or its start."""
     if not loc.is_local:
         return []
     try:
@@ -219,7 +217,8 @@ class SaveHandle:
         phase would have finished."""
         if held is not None and held.received:
             self.cancelled.cancel(None)
-        _finish_at_exit(self)
+        _RUNNING.add(self)  # a save nobody waits for still commits at exit
+        _host.at_exit(_host.FINISH, _finish_running)
         self._thread.start()
         return self
 
@@ -350,16 +349,8 @@ class SaveHandle:
 _RUNNING: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
 
 
-def _finish_at_exit(handle: SaveHandle) -> None:
-    """A save nobody waits for still commits at exit: an exit step, run before the
-    interpreter stops the pools it writes with, waits for it (saying so on stderr; a
-    failure: exit status 1), or abandons it when a Ctrl-C ended the program."""
-    _RUNNING.add(handle)
-    _host.at_exit(_host.FINISH, _finish_running)
-
-
 def _finish_running() -> bool:
-    """True when a save failed and nobody read its error."""
+    """The exit step: waits for the saves still running; True when one failed unreported."""
     # a Ctrl-C that ended the program is sys.last_value by now
     interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
     failed = False
@@ -377,8 +368,7 @@ def _finish_running() -> bool:
 
 
 def raise_if_cancelled(cancelled: threading.Event | None, what: str) -> None:
-    """Background phase: KeyboardInterrupt (interrupted) or SaveCancelledError (with a
-    reason) once ``cancelled`` is set."""
+    """Background phase: KeyboardInterrupt or SaveCancelledError once ``cancelled`` is set."""
     if cancelled is None or not cancelled.is_set():
         return
     where = f"process {_distributed.process_index()}"

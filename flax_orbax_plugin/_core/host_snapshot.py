@@ -1,7 +1,5 @@
-"""One process's data of a save, from its devices to its files: in the blocking phase
-(the saving thread) its host copies (:func:`take_small`, :func:`take_regions`); in the
-background phase (the save's thread) version 2's files (:func:`write_packed`) and the
-bounded writes in flight of both formats (none left in flight on a failure).
+"""One process's data of a save: its host copies (blocking phase, the saving thread),
+then version 2's files and both formats' bounded writes (background phase).
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.host_snapshot``.
 """
@@ -85,9 +83,7 @@ def pieces(
 
 
 def take_small(leaves: list, batches: dict[str, BatchRecord], pool, own_copy: bool = False):
-    """The batches of small leaves this process writes, read now, before any large
-    region's transfer is enqueued (every device-to-host copy started first): (batch name
-    -> a pooled buffer, else the pieces of each leaf's own host copy; pooled buffers)."""
+    """The small leaves' batches this process writes, read before any large transfer."""
     me, pooled, keep, writers, owned = _owned(leaves, batches, pool, own_copy, small=True)
     for _, source, _ in owned:
         if on_device(source):
@@ -117,11 +113,7 @@ def take_small(leaves: list, batches: dict[str, BatchRecord], pool, own_copy: bo
 
 
 def take_regions(leaves: list, batches: dict, pool, own_copy: bool, budget, device_kind: str):
-    """The regions stored as arrays of their own that this process writes, into their
-    leaves' ``writes``: (pooled buffers to give back, whether the save waits for its
-    writes: with a ``budget``, device regions streamed in pieces of at most a quarter of
-    it and CPU arrays held as views). Accelerator arrays staged as ``device_kind`` says
-    (``pinned``, ``host``, or ``fetch`` in the device staging's background phase)."""
+    """This process's regions of arrays of their own, into ``writes``: (pooled, waits)."""
     _, pooled, keep, _, owned = _owned(leaves, batches, pool, own_copy, small=False)
     later: list[tuple[np.ndarray, np.ndarray]] = []  # pooled copies, made all at once
     streamed = budget is not None
@@ -144,8 +136,7 @@ def take_regions(leaves: list, batches: dict, pool, own_copy: bool, budget, devi
 
 
 def _owned(leaves: list, batches: dict, pool, own_copy: bool, *, small: bool):
-    """(me, pooled buffers, ``keep`` recording one taken from ``pool``, the batches'
-    writers, the regions this process writes of the small or the other leaves)."""
+    """(me, pooled buffers, ``keep``, the batches' writers, the regions this writes)."""
     me = _distributed.process_index()
     pooled: list[np.ndarray] = []
 
@@ -163,15 +154,12 @@ def _is_small(leaf) -> bool:
     return isinstance(leaf.record.storage, BatchStorage)
 
 
-# Each chunk checksummed as it is copied into the pool, where the C kernel is built
-# (benchmarks/results/onepass_kernel.json: a save's CPU 0.376 -> 0.263 s per 1.2 GB);
-# in Python the one pass would lengthen the blocking phase (0.132 -> 0.213 s).
+# Chunks checksummed as copied into the pool with the C kernel only (onepass_kernel.json).
 ONE_PASS = _chunks.has_kernel()
 
 
 def _summed(leaf):
-    """(shape, chunk shape, the leaf's crcs) for a pooled copy that checksums its
-    chunks; None for a packed or compressed leaf, and while :data:`ONE_PASS` is off."""
+    """(shape, chunk shape, crcs) for a copy that checksums its chunks, else None."""
     storage = leaf.record.storage
     if not ONE_PASS or storage.codec is not None or _chunks.is_packed(leaf.record):
         return None
@@ -203,9 +191,7 @@ def batch_writers(leaves: list, batches: dict[str, BatchRecord], me: int, own_co
 
 
 def owned_regions(leaves: list, writers: dict[str, int], me: int, own_copy: bool) -> list:
-    """(leaf, what to read it from, region) for every piece this process writes; each
-    source is resolved once, so the object whose device-to-host copy is started is the
-    one read afterwards (jax caches the copy per object)."""
+    """(leaf, source, region) for every piece this process writes; each source resolved once."""
     owned: list[tuple[Any, Any, tuple | None]] = []
     for leaf in leaves:
         value, storage = leaf.value, leaf.record.storage
@@ -274,8 +260,7 @@ def _copy_region(source, rows, pool, keep, later: list, kind: str, summed):
 
 
 def _pooled(pool: BufferPool, host: np.ndarray, rows, later: list, summed) -> np.ndarray:
-    """A pooled buffer for ``host`` (the region ``rows``), its copy left in ``later`` in
-    pieces of whole chunk rows, checksummed into ``summed``'s crcs as copied (None: not)."""
+    """A pooled buffer for ``host``, its copy left in ``later`` in whole chunk rows."""
     out = pool.empty(host.shape, host.dtype)
     shape, chunk, crcs = summed or ((), (), None)
     if not shape or not rows:
@@ -303,8 +288,7 @@ def _replica_groups(sharding: jax.sharding.Sharding, shape: tuple[int, ...]):
 
 
 def _my_rows(index: tuple[slice, ...], shape, chunk, holders: list[int], me: int):
-    """The part of shard ``index`` that process ``me`` writes: a contiguous range of whole
-    chunk rows (axis 0), split evenly over the processes holding a replica of it."""
+    """The whole chunk rows of shard ``index`` that ``me`` writes, split over its holders."""
     if me not in holders:
         return None
     k, m = holders.index(me), len(holders)
@@ -343,9 +327,7 @@ def _relative(rows: tuple[slice, ...], index: tuple[slice, ...]) -> tuple[slice,
 
 
 def _host_copy(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
-    """Host bytes of ``data`` no later donation, deletion or update can change: on CPU
-    a numpy view (jax frees no buffer a view holds: :func:`cpu_views_are_snapshots`),
-    elsewhere ``np.asarray``'s device-to-host copy."""
+    """Host bytes of ``data`` no later donation can change (on CPU: a view, where safe)."""
     host = np.asarray(data)
     if part is not None:
         host = host[part]
@@ -356,8 +338,7 @@ def _host_copy(data: jax.Array, part: tuple[slice, ...] | None) -> np.ndarray:
 
 @functools.cache
 def cpu_views_are_snapshots() -> bool:
-    """Whether a numpy view of a CPU jax.Array keeps its bytes through a donation of the
-    array, its deletion and the donating step's output (checked on this jax, once)."""
+    """Whether a numpy view of a CPU jax.Array outlives its donation (checked once)."""
     cpu = jax.local_devices(backend="cpu")[0]  # this process's (several: not devices()[0])
     base = np.arange(4096, dtype=np.float32)
     try:
@@ -407,17 +388,14 @@ class WritesInFlight:
         self.progress = _host.Progress()
 
     def report(self, total: int):
-        """Begins this thread's activity (``total`` bytes, in the heartbeat); the caller
-        ends it."""
+        """Begins this thread's activity (``total`` bytes); the caller ends it."""
         doing = _host.ACTIVITIES.begin("writing this process's data", moving=True)
         self.progress = doing.progress
         self.progress.total = total
         return doing
 
     def fail(self, error: BaseException, staging: Location, *, direct: bool) -> None:
-        """After ``error``: waits for every write in flight (none may recreate files after
-        a cleanup); a tensorstore ValueError or a direct writer's OSError is raised as a
-        CheckpointError."""
+        """After ``error``: every write in flight waited for; theirs raised as CheckpointError."""
         settle(self.futures)
         if isinstance(error, ValueError):  # tensorstore's status text, with its whole spec
             text = str(error).split(" [tensorstore_spec=", 1)[0]
@@ -426,7 +404,6 @@ class WritesInFlight:
             raise CheckpointError(f"writing array data to {staging} failed: {error}") from error
 
     def drain(self, to: int) -> None:
-        """Waits for the oldest writes until at most ``to`` bytes are in flight."""
         while self.futures and (self.in_flight > to or self.futures[0][0].done()):
             future, nbytes = self.futures.popleft()
             future.result()
@@ -476,10 +453,7 @@ def settle(pending) -> None:
 def write_packed(
     staging: Location, leaves: list, snap: Any, reuse: Callable[[], Any] | None
 ) -> tuple[int, dict[str, str], int]:
-    """Writes this process's chunks of ``snap`` (``leaves``: as stored; its batches taken
-    out of ``snap.batch_data``) into its data files and index: (bytes written, {index:
-    sha256}, bytes reused). ``reuse()``: the previous data files taken. Files gathered for
-    upload stay within a quarter of the host memory budget."""
+    """Version 2: this process's chunks into its data files: (written, {index: sha256}, reused)."""
     if sys.byteorder != "little":
         raise CheckpointError("format_version=2 is written on little-endian hosts only")
     req, batches, batch_data = snap.request, snap.batches, snap.batch_data
@@ -514,8 +488,7 @@ def write_packed(
 
 
 def _packed_jobs(writer: _packed_writer.PackedWriter, taken, leaves, batches, batch_data) -> list:
-    """The jobs of a packed write: the data files ``taken`` adopted (their leaves not
-    written), the unchanged leaves first (side by side: taken next time), then the rest."""
+    """The data files ``taken`` adopted, the unchanged leaves first, then the rest."""
     stable: frozenset[int] = frozenset()
     if taken is not None:
         writer.adopt(taken.files, taken.chunks)

@@ -1,6 +1,5 @@
 """The one owner of removal, on every store: what proves a place ours, the claims, the
-checks before a save writes, the removal of a place proven ours (``_core.removing``
-builds on these) and of what a failed import or export created.
+checks before a save writes, and the removal of what is proven ours.
 
 Threading: stateless; any function may be called from any thread. Callers serialise
 removals of one place (the manager's writer lock, the tier's primary process).
@@ -48,8 +47,7 @@ _pending_bytes = _handle.marker_bytes  # the marker's helpers, under the names c
 
 
 def claim(loc: Location, nonce: str, *, fresh: bool = False) -> None:
-    """Marks ``loc`` as a place this library is writing or removing (one process per
-    place; durable at a later ``sync``). Object stores: a conditional claim."""
+    """Marks ``loc`` as a place this library writes or removes (durable at a ``sync``)."""
     if not loc.supports_rename:
         _liveness.claim_in_place(loc, nonce, fresh=fresh)
         return
@@ -68,10 +66,7 @@ def unclaim(loc: Location) -> None:
 
 
 def proof(loc: Location, *, step: int | None = None) -> str | None:
-    """What proves ``loc`` ours (``"step manifest"``, ``"commit marker"``, ``"pending
-    marker"``: also its temporary files, see ``_core.handle``), or None. With ``step``,
-    a manifest must name that step. ForeignEntryError when a local ``loc`` is not a
-    real directory."""
+    """What proves ``loc`` ours, or None; ForeignEntryError for a local non-directory."""
     if loc.is_local:
         path = loc.path.rstrip("/")
         try:
@@ -123,17 +118,14 @@ def require_ours(loc: Location, *, action: str, step: int | None = None) -> str:
     found = proof(loc, step=step)
     if found is None:
         raise ForeignEntryError(
-            f"refusing to {action} {loc}: expected a checkpoint or step this library "
-            f"created (our manifest, commit marker or pending marker), found none "
-            f"({_steps.contents(loc)}); nothing was changed"
+            f"refusing to {action} {loc}: expected a checkpoint or step this library created "
+            f"(a manifest or marker of ours), found none ({_steps.contents(loc)}); nothing changed"
         )
     return found
 
 
 def remove(loc: Location, *, action: str = "remove", step: int | None = None) -> bool:
-    """Removes ``loc`` whole once it is proven ours; False when nothing is there;
-    ForeignEntryError when it is not ours. Crash-safe: the pending marker is written
-    first and deleted last (:func:`remove_proven`)."""
+    """Removes ``loc`` whole once proven ours (ForeignEntryError if not); False if empty."""
     if is_empty(loc) and not exists(loc):
         return False
     require_ours(loc, action=action, step=step)
@@ -142,15 +134,12 @@ def remove(loc: Location, *, action: str = "remove", step: int | None = None) ->
 
 
 def check_slot(loc: Location, *, what: str, replace: bool, take_empty: bool = True) -> str | None:
-    """Before writing a checkpoint or step at ``loc``: refuses a place held by something
-    foreign (ForeignEntryError), a committed one of ours unless ``replace``, and an empty
-    directory if not ``take_empty`` (FORMAT.md). Returns the proof found (None: empty)."""
+    """Before writing at ``loc``: refuses what is foreign, or committed unless ``replace``."""
     if is_empty(loc):
         if not take_empty and loc.is_local and exists(loc):
             raise ForeignEntryError(
-                f"cannot write {what} at {loc}: an empty folder this library did not "
-                f"create is there (listed as foreign, never replaced); it is left alone. "
-                f"Remove it, then save again"
+                f"cannot write {what} at {loc}: an empty folder this library did not create "
+                f"is there (never replaced: it is left alone); remove it, then save again"
             )
         return None
     try:
@@ -162,9 +151,8 @@ def check_slot(loc: Location, *, what: str, replace: bool, take_empty: bool = Tr
         ) from None
     if found is None:
         raise ForeignEntryError(
-            f"cannot write {what} at {loc}: something this library did not create as a "
-            f"checkpoint is there ({_steps.contents(loc)}); it is left alone. Move it "
-            f"away or choose another path"
+            f"cannot write {what} at {loc}: something this library did not create is there "
+            f"({_steps.contents(loc)}); it is left alone. Move it away or choose another path"
         )
     if found == "pending marker":
         _liveness.refuse_if_held(loc, replace=replace)
@@ -199,9 +187,7 @@ def exists(loc: Location) -> bool:
 def remove_proven(
     loc: Location, *, pace: Callable[[], int] | None = None, keep: list[str] | None = None
 ) -> None:
-    """Removes what this library wrote at ``loc``, a fresh pending marker (naming this
-    remover and what is kept: ``keep``, the strangers found already) written first and
-    removed last."""
+    """Removes what this library wrote at ``loc``, under a marker naming what is kept."""
     raw = loc.read_bytes(PENDING_FILE)
     if raw is None and keep is None:
         raw = _pending_bytes(secrets.token_hex(6))
@@ -222,11 +208,7 @@ def prepare_slot(
     take_empty: bool = True,
     region: _distributed.Region,
 ) -> bool:
-    """:func:`check_slot` for a save about to write at ``loc``, collective in ``region``;
-    with ``clear`` what it found of ours is removed too. Returns whether ``loc`` held
-    something of ours. On an object store (written in place: a fast process's first
-    object could land before a slower one looks) the primary alone looks and every
-    process waits for its verdict (one key-value round); elsewhere every process looks."""
+    """:func:`check_slot`, collective (object stores: the primary looks); whether ours."""
 
     def look() -> bool:
         held = check_slot(loc, what=what, replace=replace, take_empty=take_empty) is not None
@@ -256,8 +238,7 @@ def prepare_slot(
 
 _JSON_KINDS = ("json", "step", "data_iterator")
 
-# parts (relative path split on '/'), whether a directory -> the library writes it
-Rule = Callable[[list[str], bool], bool]
+Rule = Callable[[list[str], bool], bool]  # (path parts, is a directory) -> the library's
 
 
 def _step_rule(manifest: StepManifest) -> Rule:
@@ -283,9 +264,7 @@ def _step_rule(manifest: StepManifest) -> Rule:
 
 
 def strangers(loc: Location) -> list[str]:
-    """The entries under ``loc`` (relative paths, sorted) that the library did not write,
-    by its commit record (none without one): a directory of someone else's is named
-    once, not walked. Object stores name keys."""
+    """The entries under ``loc`` its commit record does not name (a foreign directory once)."""
     rule: Rule
     try:
         raw = loc.read_bytes(MANIFEST_FILE)
@@ -323,8 +302,7 @@ def strangers(loc: Location) -> list[str]:
 
 
 def remove_all_but(loc: Location, keep: list[str], *, pace: Callable[[], int] | None) -> None:
-    """Removes everything at ``loc`` but ``keep`` (named in a warning) and the
-    directories holding it, the pending marker last; ``loc`` too when nothing is kept."""
+    """Removes all at ``loc`` but ``keep`` (warned of), the pending marker last."""
     kept = set(keep)
     holders = {"/".join(k.split("/")[:i]) for k in keep for i in range(1, k.count("/") + 1)}
     if loc.is_local:
@@ -395,8 +373,7 @@ def missing_directories(path: str) -> list[str]:
 
 
 def remove_created(directories: list[str], files: tuple[str, ...] = ()) -> None:
-    """Removes ``files`` (regular files in the deepest of ``directories``, never through a
-    link), then each of ``directories`` that is empty, deepest first."""
+    """Removes ``files`` (in the deepest directory), then each empty directory."""
     for name in files if directories else ():
         path = os.path.join(directories[0], name)
         if os.path.isfile(path) and not os.path.islink(path):

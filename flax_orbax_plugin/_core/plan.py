@@ -1,10 +1,7 @@
-"""The layout of one save: a record per leaf (:func:`classify` refuses what cannot be
-saved, naming its path) and the batches of small leaves.
+"""The layout of one save (a record per leaf, the batches of small leaves) and its host copy.
 
-:meth:`Plan.build` decides every leaf's storage identically on every process and picks
-the format once; :meth:`Plan.snapshot` takes this process's host copy into a
-:class:`Snapshot`, whose :meth:`Snapshot.write` is the background phase. Call order:
-build and snapshot on the caller's thread, then write on one background thread.
+Call order: :meth:`Plan.build` (identical on every process) and :meth:`Plan.snapshot` on
+the caller's thread, then :meth:`Snapshot.write` once on one background thread.
 """
 
 from __future__ import annotations
@@ -56,16 +53,14 @@ def _text(path: str, leaf: str | bytes) -> str:
     raw = _utf8(leaf, f"leaf {path!r}: a str") if isinstance(leaf, str) else leaf
     if len(raw) > _layout.MAX_TEXT_BYTES:
         raise StructureError(
-            f"leaf {path!r}: a {type(leaf).__name__} of {len(raw)} bytes; str and bytes "
-            f"leaves are kept in the metadata, at most {_layout.MAX_TEXT_BYTES} bytes each "
-            f"(store larger data as a numpy uint8 array)"
+            f"leaf {path!r}: a {type(leaf).__name__} of {len(raw)} bytes; the metadata keeps at "
+            f"most {_layout.MAX_TEXT_BYTES} of a str or bytes leaf (store more as a uint8 array)"
         )
     return leaf if isinstance(leaf, str) else base64.b64encode(raw).decode("ascii")
 
 
 def _utf8(text: str, what: str) -> bytes:
-    """``text`` in UTF-8; StructureError naming ``what`` for text no reader accepts
-    (a lone surrogate: no JSON document of the format can hold it)."""
+    """``text`` in UTF-8; StructureError naming ``what`` for a lone surrogate."""
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -79,14 +74,12 @@ _PER_LEAF = len('{"path":"","keys":[],"kind":""}')  # a leaf record's bytes besi
 
 
 def _check_document_size(nbytes: int, leaves: int, text_leaves: int) -> None:
-    """``nbytes``, a lower bound of ``_METADATA.json``'s (the exact size is checked when
-    it is encoded), refused before anything is staged when no reader would accept it."""
+    """A lower bound of ``_METADATA.json``'s size, refused before anything is staged."""
     limit = _local_files.METADATA.max_bytes
     if nbytes > limit:
         raise StructureError(
-            f"{_layout.METADATA_FILE} of this tree would hold more than {nbytes} bytes "
-            f"({leaves} leaves, {text_leaves} str or bytes), more than a reader "
-            f"accepts ({limit}): store large text as uint8 arrays, or save fewer leaves"
+            f"{_layout.METADATA_FILE} of this tree would hold over {nbytes} bytes ({leaves} "
+            f"leaves, {text_leaves} str or bytes), past a reader's {limit}: save less text"
         )
 
 
@@ -130,9 +123,8 @@ def classify(path: str, leaf: Any) -> tuple[str, Any, str | None]:
     if isinstance(leaf, np.ndarray):
         if isinstance(leaf, np.ma.MaskedArray):
             raise StructureError(
-                f"leaf {path!r}: expected a plain numpy array, found a numpy masked array "
-                "(its mask would be lost); save its .data and .mask as two leaves, or "
-                "np.ma.filled(...) it"
+                f"leaf {path!r}: expected a plain numpy array, found a masked array (its mask "
+                "would be lost): save .data and .mask as two leaves, or np.ma.filled(...) it"
             )
         return "array", native_order(leaf), None
     if isinstance(leaf, str | bytes):
@@ -146,9 +138,7 @@ def classify(path: str, leaf: Any) -> tuple[str, Any, str | None]:
 
 
 def native_order(value: np.ndarray) -> np.ndarray:
-    """``value`` in this host's byte order. The files hold little-endian bytes under the
-    dtype's name (``int32``, not ``>i4``): a big-endian array (FITS, some ``.npy`` and
-    ``.mat`` files) is converted (a copy), never written as its raw bytes."""
+    """``value`` in this host's byte order (a big-endian array is converted)."""
     if value.dtype.isnative:
         return value
     return value.astype(value.dtype.newbyteorder("="))
@@ -194,15 +184,13 @@ class _Batching:
         batches = {}
         for batch, (dtype, process, chunk) in self.kinds.items():
             size = max(1, self.sizes.get(batch, 0))
-            # a small batch: a chunk just big enough (a power of two), as it is stored whole
-            chunk = min(chunk, 1 << (size - 1).bit_length())
+            chunk = min(chunk, 1 << (size - 1).bit_length())  # small: stored whole, as it is
             batches[batch] = BatchRecord(batch, dtype, process, size, chunk, codec)
         return batches
 
 
 def _data_record(path, keys, kind, value, impl, codec, batching: _Batching) -> LeafRecord:
-    """The record of a leaf with array data: a batch slot (written by the owner of
-    replica 0) when small and unpartitioned, else an array of its own."""
+    """A batch slot when small and unpartitioned, else an array of its own."""
     dtype = np.dtype(value.dtype)
     name = _layout.dtype_name(dtype)
     if name not in _layout.SUPPORTED_DTYPES:
@@ -230,9 +218,7 @@ def _data_record(path, keys, kind, value, impl, codec, batching: _Batching) -> L
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
-    """The layout of one save, identical on every process (:meth:`build`), with its
-    request (every mode of the save), format and digest. :meth:`snapshot` (once) makes
-    the :class:`Snapshot`; the leaves pass to it (their writes filled): the plan is done."""
+    """The layout of one save, identical on every process; :meth:`snapshot` once."""
 
     leaves: list[Leaf]
     batches: dict[str, BatchRecord]
@@ -262,16 +248,16 @@ class Plan:
                 leaves.append(Leaf(index, None, LeafRecord(path, keys, kind, value=text)))
                 continue
             record = _data_record(path, keys, kind, value, impl, codec, batching)
-            shown = _host_value(value) if compared else None
+            shown = None  # a small host value's digest, compared across processes
+            if compared and isinstance(value, np.ndarray) and value.nbytes <= 1 << 16:
+                shown = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:12]
             leaves.append(Leaf(index, value, record, value_digest=shown))
         _check_document_size(doc_bytes, len(flat), text_leaves)
         version = _formats.for_version(request.format_version)  # picked once, here
         return cls(leaves, batching.records(codec), request, version, _digest(leaves))
 
     def snapshot(self) -> Snapshot:
-        """The blocking phase's copy of every byte this process writes (into the
-        request's buffers, if any and no budget): small leaves first, then the platform's
-        staging (the device staging's host copy is :meth:`Snapshot.write`'s)."""
+        """The blocking phase's copy of every byte this process writes."""
         req = self.request
         budget = req.host_memory_budget
         pool = None if budget is not None else req.buffers
@@ -285,10 +271,9 @@ class Plan:
         ]
         on_device = [leaf for leaf in big if _host_snapshot.on_device(leaf.value)]
         kind = "none"
-        if budget is not None:
-            kind = "streamed" if on_device else "none"
-        elif on_device:
-            kind = _device_copy.staging_for(next(iter(on_device[0].value.devices())).platform)
+        if on_device:
+            platform = next(iter(on_device[0].value.devices())).platform
+            kind = "streamed" if budget is not None else _device_copy.staging_for(platform)
         note = ""
         if kind == "device":  # every jax.Array (a CPU one too) copied where it lives
             arrays = [leaf for leaf in big if isinstance(leaf.value, jax.Array)]
@@ -319,9 +304,7 @@ class Plan:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Snapshot:
-    """This process's host copy of one save, all the background phase needs: :meth:`write`
-    once, on one thread, releases what it holds and sets ``data_written``. ``write_first``:
-    the save returns once its data is written."""
+    """This process's host copy of one save; ``write_first``: the save waits for its write."""
 
     leaves: list[Leaf]
     batches: dict[str, BatchRecord]
@@ -346,9 +329,7 @@ class Snapshot:
         )
 
     def write(self, location: Location, *, durable: bool = True) -> _formats.Written:
-        """Background phase: this process's chunks (the primary: the metadata too), made
-        durable with ``durable``; commits nothing. With ``request.reuse`` (every process,
-        in the same order) unchanged leaves are linked or copied (``_incremental/reuse``)."""
+        """Background phase: this process's chunks (the primary: the metadata too); no commit."""
         try:
             return self._write(location, durable=durable)
         finally:
@@ -406,8 +387,7 @@ def _take(leaves, batches, pool, request: SaveRequest, kind: str, pooled: list) 
 
 
 def _stored_leaves(leaves: list[Leaf], found):
-    """The leaves as stored (a sub-byte leaf: its packed bytes, copied here at once), and
-    ``found`` (``_reuse.unchanged``'s) referring to them. Background thread."""
+    """The leaves as stored (sub-byte ones packed), and ``found`` referring to them."""
     out, by_index = [], {}
     for leaf in leaves:
         if _chunks.is_packed(leaf.record):
@@ -425,9 +405,7 @@ def _stored_leaves(leaves: list[Leaf], found):
 
 
 def _digest(leaves: list[Leaf]) -> str:
-    """A digest of the tree's structure and of the small values the primary alone writes
-    (str and bytes leaves, host arrays up to 64 KiB): equal on every process that saves
-    the same tree, so a differing ``lr`` is not saved as process 0's silently."""
+    """The tree's structure and the small values only the primary writes, digested."""
     h = hashlib.sha256()
     for leaf in leaves:
         r = leaf.record
@@ -437,12 +415,6 @@ def _digest(leaves: list[Leaf]) -> str:
         elif leaf.value_digest is not None:
             h.update(leaf.value_digest.encode())
     return h.hexdigest()
-
-
-def _host_value(value: Any) -> str | None:
-    if isinstance(value, np.ndarray) and value.nbytes <= 1 << 16:
-        return hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:12]
-    return None
 
 
 @functools.lru_cache(maxsize=1024)

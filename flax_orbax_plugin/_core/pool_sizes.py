@@ -1,5 +1,4 @@
-"""The pooled host buffers one save takes, sized ahead from a tree like the one it saves
-(for ``BufferPool.reserve``). Reads no array data, allocates nothing.
+"""The pooled host buffers one save takes, sized ahead (``BufferPool.reserve``).
 
 Threading: any thread (pure: plans a stand-in tree, as the save would).
 """
@@ -39,8 +38,7 @@ def pool_sizes(like: Any, request: SaveRequest) -> list[int]:
     tree = jax.tree_util.tree_map_with_path(stand_in, like)
     with _tree.paused_gc():
         plan = Plan.build(tree, request)
-    # a buffer per batch this process writes, per region it copies of a host leaf stored
-    # as its own array
+    # a buffer per batch this process writes, and per region of a host leaf's own array
     leaves, batches, own_copy = plan.leaves, plan.batches, request.own_copy
     me = _distributed.process_index()
     writers = _host_snapshot.batch_writers(leaves, batches, me, own_copy)

@@ -1,5 +1,5 @@
-"""How one pytree is read (:class:`ReadRequest`), a restore's targets checked against
-``like``, the metadata's claims checked, and the pieces every read uses.
+"""How one pytree is read (:class:`ReadRequest`), its targets and claims checked, the
+agreement of the processes of a collective read, and the pieces every read uses.
 
 Threading: the restoring (calling) thread only.
 
@@ -20,7 +20,13 @@ from .._base import distributed as _distributed
 from .._base import env as _env
 from .._base import host as _host
 from .._base import tree as _tree
-from .._errors import CheckpointError, CorruptCheckpointError, StepDeletedError, StructureError
+from .._errors import (
+    CheckpointError,
+    CoordinationError,
+    CorruptCheckpointError,
+    StepDeletedError,
+    StructureError,
+)
 from .._format import layout as _layout
 from .._format import steps as _steps
 from .._format.layout import (
@@ -45,9 +51,7 @@ from .._zarr import packed_reader as _packed_reader
 from .._zarr import subbyte as _subbyte
 from .._zarr.chunks import CHUNK_DIR
 
-# Reads in flight beyond the result. Small: leaves read one after another (each with
-# tensorstore's chunk parallelism) are as fast on few cores, and keep peak memory low.
-DEFAULT_READ_LIMIT_BYTES = 64 << 20
+DEFAULT_READ_LIMIT_BYTES = 64 << 20  # reads in flight beyond the result: small, low peak memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +111,7 @@ class ReadRequest:
 
 
 def read_slice(store, direct: _packed_reader.PackedReader, batch: BatchRecord, off, size: int):
-    """A read of elements ``[off, off + size)`` of a batch, through tensorstore's ``store``
-    where there is one, else version 2's reader."""
+    """Elements ``[off, off + size)`` of a batch, through ``store``, else ``direct``."""
     dtype = _layout.dtype_from_name(batch.dtype)
     if store is not None:
         return ReadInto(store[off : off + size], dtype)
@@ -129,12 +132,8 @@ def check_claims(
     own_copy: bool = False,
     packed: Any = None,
 ) -> None:
-    """CorruptCheckpointError, naming the field and what is stored, unless the data every
-    target reads holds what the metadata claims (a resealed one may claim any shape):
-    checked before anything sized by a claim is allocated. Version 1 (``packed`` None):
-    its chunk files, one ``stat`` each, on local disks only (object stores list no sizes);
-    a host's own copy (``own_copy``) holds its own regions, so a sharded array there is
-    not checked. Version 2: ``packed``'s indexes and the dtypes they record."""
+    """CorruptCheckpointError unless the data every target reads holds what the metadata
+    claims (version 1: its chunk files, local disks only; 2: ``packed``'s indexes)."""
     if packed is None and not location.is_local:
         return
     where = f"{location}/{METADATA_FILE}"
@@ -175,8 +174,7 @@ def _check_claim(location, packed, sub: str, needed, where: str, field: str, cla
     if stored is not None and stored != dtype:
         raise CorruptCheckpointError(
             f"{where}: field {field}.dtype: the metadata claims {dtype!r}, the data index "
-            f"records the bytes under {sub} as {stored!r} (the metadata or the index is "
-            f"damaged: restoring would reinterpret the bytes)"
+            f"records the bytes under {sub} as {stored!r} (one of them is damaged)"
         )
     if files == 0:
         return
@@ -213,13 +211,10 @@ class Target:
     out_dtype: Any = None
     result: Any = None
     cast: str = "safe"  # the read's cast policy (ReadRequest.cast)
-    # a leaf layout surgery made (``_like.surgery.Made``): read through its node's
-    # pieces; ``record`` is then its stand-in (shape and dtype, no storage)
-    virtual: Any = None
+    virtual: Any = None  # a leaf surgery made (``_like.surgery.Made``); ``record``: its stand-in
 
 
 def make_target(index: int, record: LeafRecord, like: Any, *, cast: str) -> Target:
-    """The target of one saved leaf read onto ``like``, cast under ``cast``."""
     path = record.path
     target = Target(index, record, like, cast=cast)
     if record.kind in _layout.EMPTY_KINDS:
@@ -307,9 +302,8 @@ def _check_key_like(record: Any, like: Any) -> None:
     found = f"a PRNG key array of impl {record.impl!r} in the checkpoint"
     if not _onto_like.is_key_dtype(dtype):
         raise StructureError(
-            f"leaf {record.path!r}: expected {dtype}{list(shape)} (from like), found "
-            f"{found}; restore it into a key (jax.random.key(0, impl={record.impl!r}) or "
-            f"its eval_shape), then jax.random.key_data(...) for its raw words"
+            f"leaf {record.path!r}: expected {dtype}{list(shape)} (from like), found {found}; "
+            f"restore it into jax.random.key(0, impl={record.impl!r}), then take key_data(...)"
         )
     impl = getattr(getattr(dtype, "_impl", None), "name", None)
     if impl is not None and impl != record.impl:
@@ -365,8 +359,7 @@ def _final_value(target: Target, host: np.ndarray) -> Any:
 
 
 class Placer:
-    """Batches host-to-device transfers: one ``jax.device_put`` call per ``flush_bytes``
-    (per-leaf calls dominate restores of thousands of small leaves)."""
+    """Batches host-to-device transfers: one ``jax.device_put`` per ``flush_bytes``."""
 
     def __init__(self, flush_bytes: int):
         self.flush_bytes = flush_bytes
@@ -406,8 +399,7 @@ def _put(items: list[tuple[Target, np.ndarray]], sharding: Any) -> list[jax.Arra
 
 
 def _unplaceable(items: list, sharding: Any, error: Exception) -> Exception:
-    """The leaf of ``items`` jax cannot place (float6 on CPU) as a StructureError naming
-    it; ``error`` itself when none fails alone."""
+    """The leaf jax cannot place (float6 on CPU), named; else ``error``."""
     for target, host in items:
         try:
             _put([(target, host)], sharding)
@@ -420,16 +412,13 @@ def _unplaceable(items: list, sharding: Any, error: Exception) -> Exception:
 def cannot_place(path: str, dtype: Any, platform: str, error: Exception) -> StructureError:
     """Leaf ``path``'s ``dtype`` jax refused to place on ``platform``, for every reader."""
     return StructureError(
-        f"leaf {path!r}: jax cannot place a {dtype} array on "
-        f"{platform} ({' '.join(str(error).split())[:200]}); read it to the host "
-        "instead (a numpy array in like, or like=None)"
+        f"leaf {path!r}: jax cannot place a {dtype} array on {platform} "
+        f"({' '.join(str(error).split())[:200]}); read it to the host (numpy in like, or like=None)"
     )
 
 
 def _put_on_one_device(hosts: list[np.ndarray], sharding: Any) -> list[jax.Array]:
-    """``hosts`` onto the one device of ``sharding`` by the call ``jax.device_put`` makes
-    (``batched_device_put``), without its per-array dispatch (~70 us an array, here ~25);
-    committed as jax's are. A dtype jax canonicalizes goes through ``jax.device_put``."""
+    """``jax.device_put``'s own call without its per-array dispatch (~70 us, here ~25)."""
     device = next(iter(sharding.device_set))
     avals: dict[tuple, Any] = {}
     out = []
@@ -448,9 +437,7 @@ def _put_on_one_device(hosts: list[np.ndarray], sharding: Any) -> list[jax.Array
 
 
 def place(host: np.ndarray, sharding: Any) -> jax.Array:
-    """``host`` (the same on every process) onto ``sharding`` from this process's own
-    shards: no collective (``jax.device_put`` would all-gather to compare, which a process
-    that failed earlier never enters)."""
+    """``host`` placed from this process's shards alone: no collective."""
     if sharding.is_fully_addressable:
         return jax.device_put(host, sharding)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
@@ -498,8 +485,7 @@ def step_deleted_or(directory: Location, step: int, error: Exception) -> Excepti
 class ReadInto:
     """A read straight into a new numpy array (no second whole-array buffer)."""
 
-    def __init__(self, view, dtype: np.dtype | None = None):
-        """``dtype``: the leaf's, where its array stores a stand-in (``DTYPES[...].zarr``)."""
+    def __init__(self, view, dtype: np.dtype | None = None):  # dtype: the leaf's
         stored = view.dtype.numpy_dtype
         self.out = _host.empty(view.shape, dtype or stored)  # adopted by jax on CPU
         into = _arrays.as_stored(self.out, stored)
@@ -516,8 +502,7 @@ class Reader:
     def __init__(self, limit: int, progress: _host.Progress | None = None):
         self.limit = limit
         self.progress = progress or _host.Progress()  # the bytes read, and asked for
-        # a batch file's leaves at a time: placed while the next files are read
-        self.placer = Placer(flush_bytes=min(limit, 16 << 20))
+        self.placer = Placer(flush_bytes=min(limit, 16 << 20))  # placed while more is read
         self.pending: collections.deque = collections.deque()
         self.in_flight = 0
 
@@ -547,8 +532,7 @@ class Reader:
 
 
 def raise_environmental(error: Exception) -> None:
-    """Raises the OSError ``error`` stands for when it is no proof of damage (EMFILE, EIO,
-    a timeout): no intact checkpoint is reported damaged."""
+    """Raises the OSError ``error`` stands for when it is no proof of damage (EMFILE, EIO)."""
     env = _arrays.environmental(error)
     if env is error:
         raise error
@@ -581,3 +565,69 @@ def plain_read(index: int, record: Any, direct: Any, region: Any):
     dtype = _layout.dtype_from_name(record.dtype, path=record.path)
     sub = array_dir(index)
     return direct.read(sub, record.shape, record.storage.chunk_shape, dtype, region)
+
+
+# -- the processes of a collective read agree on what they read, before any byte --------
+
+_SHOWN_LEAVES = 4000  # leaves named in the second round (a digest beyond them)
+
+
+def agree_on_read(location: Location, like: Any, request: ReadRequest) -> None:
+    """CoordinationError on every process unless all read the same path, options and like.
+    Threading: the caller's, the same call on every process (inside the collective)."""
+    flat = [] if like is None else _tree.flatten(like)[0]
+    leaves = [f"{path} {_placed(leaf)}" for path, _, leaf in flat]
+    mine = {
+        "checkpoint": str(location),
+        "options": f"cast={request.cast!r}, {request.changes.describe()}",
+        "like": _layout.sha256("\n".join(leaves).encode()),
+    }
+    views = request.region.gather_json("read-agreement", mine)
+    for field in ("checkpoint", "options", "like"):
+        values = [v[field] for v in views]
+        if len(set(values)) == 1:
+            continue
+        if field == "like":
+            raise CoordinationError(_like_difference(leaves, request.region))
+        each = "; ".join(f"{v!r} on process {p}" for p, v in enumerate(values))
+        raise CoordinationError(
+            f"the processes of one collective restore read different {field}s ({each}): "
+            f"every process must pass the same path, step and options"
+        )
+
+
+def _placed(leaf: Any) -> str:
+    shape = getattr(leaf, "shape", None)
+    dtype = getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
+        return type(leaf).__name__  # a Python scalar, a string, None: no array to place
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        placed = f"{dict(sharding.mesh.shape)} {sharding.spec}"
+    else:  # a host array, or one device's (a process's own): not compared across
+        placed = "host" if isinstance(leaf, np.ndarray) else "local"
+    return f"{list(shape)} {dtype} {placed}"
+
+
+def _like_difference(leaves: list[str], region: _distributed.Region) -> str:
+    """The message for likes that differ (a second round: every process names its leaves)."""
+    views = region.gather_json("read-agreement-leaves", leaves[:_SHOWN_LEAVES])
+    first = views[0]
+    for p, other in enumerate(views[1:], start=1):
+        for a, b in zip(first, other, strict=False):
+            if a != b:
+                return (
+                    f"the processes of one collective restore passed different likes: the "
+                    f"first leaf that differs is {a!r} on process 0 and {b!r} on process "
+                    f"{p}; every process must pass the same tree, shapes, dtypes and "
+                    f"shardings (jax.eval_shape of one state, one mesh)"
+                )
+        if len(first) != len(other):
+            return (
+                f"the processes of one collective restore passed different likes: "
+                f"{len(first)} leaves on process 0, {len(other)} on process {p}"
+            )
+    return (
+        f"the processes of one collective restore passed different likes (past their "
+        f"first {_SHOWN_LEAVES} leaves)"
+    )

@@ -1,6 +1,5 @@
-"""Removing steps and leftovers: a committed step (retention, ``delete``), what dead saves
-left (housekeeping), a failed save's staging, a replaced step's item directories. The
-proof that a place is ours, and its removal, are ``_core.ownership``'s.
+"""Removing steps and leftovers (a committed step, a dead save's remains, a failed save's
+staging), each proven ours by ``_core.ownership`` first.
 
 Threading: stateless; any function may be called from any thread. Callers serialise
 removals of one place (the manager's writer lock, the tier's primary process).
@@ -30,8 +29,7 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 class RemainsLeftError(CheckpointError):
-    """A removal took a place out of every listing but could not remove its files: they
-    stay at ``place``, proven ours, for the next writer's open or ``gc``."""
+    """A place left every listing but its files stay at ``place``, proven ours."""
 
     def __init__(self, message: str, place: str):
         super().__init__(message)
@@ -73,8 +71,7 @@ def remove_leftover(loc: Location, *, what: str) -> tuple[bool, str | None]:
 
 
 def remove_staging(loc: Location, nonce: str, *, what: str = "staging") -> bool:
-    """Removes the staging place of this process's save (``nonce``: that save's), proven by
-    our marker or, on local disk, by its name (the others' staging carries no marker)."""
+    """Removes this save's staging, proven by our marker or (local) by its name."""
     _env.fail_point("remove_staging")  # tests: a removal that fails (FOP_FAIL_AT)
     if loc.is_local and _ownership.rmdir_if_empty(loc):
         return True  # nothing was written (a full disk, a file size limit): no marker needed
@@ -88,9 +85,7 @@ def remove_staging(loc: Location, nonce: str, *, what: str = "staging") -> bool:
 
 
 def remove_step(directory: Location, step: int, *, pace: Callable[[], int] | None = None) -> None:
-    """Deletes a committed step so it leaves the listings at once (local: a rename to
-    ``<step>.deleting-<nonce>``; object stores: the manifest first, then its objects,
-    ``pace()`` deletes in flight). A failure after that is a :class:`RemainsLeftError`."""
+    """Deletes a committed step (out of the listings first); else RemainsLeftError."""
     step_loc = directory.child(str(step))
     _ownership.require_ours(step_loc, action="delete step", step=step)
     _env.fail_point("remove_step")  # tests: a removal that fails (FOP_FAIL_AT)

@@ -1,9 +1,8 @@
-"""Restoring a pytree of this library's own onto a ``like`` template (or its plan:
-``dry_run=True``), down to the reads of its targets through the format.
+"""Restoring a pytree of ours onto a ``like`` template (or its plan), down to the reads of
+its targets through the format (a leaf surgery made: from the saved leaves it covers).
 
-Threading: reads are issued from the calling thread to tensorstore's pool and the chunk
-reader's threads; callbacks run on the calling thread; the host-memory budget bounds
-the bytes of reads in flight.
+Threading: reads are issued from the calling thread, whose callbacks run on it too; the
+host-memory budget bounds the bytes of reads in flight.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.restore``.
 """
@@ -34,15 +33,13 @@ from .._format.layout import ArrayStorage, BatchRecord, BatchStorage, Checkpoint
 from .._format.steps import STEP_OR_NONE, read_document
 from .._like import onto_like as _onto_like
 from .._like import surgery as _surgery
-from .._like.surgery import PlanEntry, RestorePlan, full_box
+from .._like.surgery import Piece, PlanEntry, RestorePlan, full_box
 from .._storage.location import Location
 from .._zarr import arrays as _arrays
 from .._zarr import chunk_files as _chunk_files
 from .._zarr import chunks as _chunks
 from .._zarr import subbyte as _subbyte
 from . import formats as _formats
-from . import surgery_reads as _surgery_reads
-from .read_agreement import agree_on_read
 from .reads import (
     DEFAULT_READ_LIMIT_BYTES,
     Reader,
@@ -50,6 +47,7 @@ from .reads import (
     ReadRequest,
     Target,
     add_missing_empties,
+    agree_on_read,
     corrupt,
     deleted_or,
     finish,
@@ -92,8 +90,7 @@ class _Batch:
             )
 
     def locate(self, targets: list[Target], error: Exception) -> None:
-        """After ``error`` reading ``targets`` together: reads them one by one to name
-        the damaged ones (all of them where no single read fails)."""
+        """After ``error`` reading ``targets`` together: each read alone names the damaged."""
         errors, before = self.errors, len(self.errors)
         self.read_each(targets)
         self.reader.drain(0)
@@ -209,19 +206,13 @@ def _read_run(one: _Batch, run: list[Target]) -> None:
 
 
 def read_targets(location: Location, doc: CheckpointDocument, targets: list, request: ReadRequest):
-    """Reads every target's data into ``target.result``, as ``request`` says.
-
-    Collective when the processes read together (a target on devices of several
-    processes, or a leaf read shared): they agree on the outcome of their reads before
-    any all-gather, so a read failing on one process raises on every process, naming it.
-    Host arrays alone: no collective."""
+    """Reads every target; collective reads agree on their outcome before any all-gather."""
     collective = _collective(targets, request.share_reads)
     error = None
     shared: list = []
     try:
         shared = _read_targets_inner(location, doc, targets, request)
-    except (CorruptCheckpointError, CheckpointNotFoundError) as e:
-        # damage, or (version 2: its indexes are read now) the checkpoint gone meanwhile
+    except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # or the checkpoint gone
         error = deleted_or(location, e)
     except Exception as e:  # noqa: BLE001  (re-raised below, after the agreement)
         error = e
@@ -235,8 +226,7 @@ def read_targets(location: Location, doc: CheckpointDocument, targets: list, req
 
 
 def spans_processes(*trees: Any) -> bool:
-    """Whether a sharding in ``trees`` (leaves with a ``.sharding``, or shardings) places
-    data on devices of other processes: a read onto them is collective."""
+    """Whether a sharding in ``trees`` places data on other processes' devices."""
     if jax.process_count() == 1:
         return False
     is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
@@ -253,8 +243,7 @@ def spans_processes(*trees: Any) -> bool:
 
 
 def _collective(targets: list, share_reads: bool) -> bool:
-    """Whether reading ``targets`` is collective (see read_targets); from the targets and
-    ``share_reads`` alone, so the same on every process."""
+    """Whether reading ``targets`` is collective; the same on every process."""
     if not share_reads or _distributed.process_count() == 1:
         return False
     for t in targets:
@@ -271,11 +260,8 @@ def _collective(targets: list, share_reads: bool) -> bool:
 
 def _read_targets_inner(location, doc: CheckpointDocument, targets: list, request: ReadRequest):
     fmt = _formats.of_document(doc)  # picked once, from the metadata
-    # the claims of the saved leaves surgery's leaves are made of are checked too
-    made = [t for t in targets if t.virtual is not None]  # surgery's leaves
-    checked = targets + (_surgery_reads.sources(made) if made else [])
-    # an item read alone (not through its manager) in a step that is one host's copy
-    alone = not request.own_copy and _steps.in_host_copy(location)
+    checked = targets + sources(targets)  # the saved leaves surgery's leaves read: checked too
+    alone = not request.own_copy and _steps.in_host_copy(location)  # one host's copy, alone
     copy = _steps.of_item(location) if alone else None
     partial = [] if copy is None else copy.partial(location.name, [t.record for t in checked])
     if partial:  # one host's copy (a directory per host) never passes for the whole
@@ -290,11 +276,10 @@ def _read_targets_inner(location, doc: CheckpointDocument, targets: list, reques
 
 
 def read_region(fmt, store, target: Target, direct, region=None):
-    """A read of ``region`` (global; None: all) of a stored array through ``direct``; a
-    packed leaf's bytes unpacked; a leaf surgery made, from the saved leaves in ``store``."""
+    """A read of ``region`` (global; None: all) of one target's stored array."""
     record = target.record
     if target.virtual is not None:  # made by surgery: ``store`` reads the saved leaves
-        return _surgery_reads.VirtualRead(target.virtual, region, store)
+        return VirtualRead(target.virtual, region, store)
     if _chunks.is_packed(record):
         inner, width, skip = _subbyte.stored_region(record, region)
         read = fmt.read_stored(store, target.index, _subbyte.stored(record), direct, inner)
@@ -307,9 +292,7 @@ def _read_targets_with(location, doc, targets, request: ReadRequest, fmt, direct
     errors: list[CorruptCheckpointError] = []
     by_batch: dict[str, list[Target]] = collections.defaultdict(list)
     shared: list[tuple[Target, Any]] = []  # (target, its replicated sharding)
-    saved_reads = None  # the saved leaves that surgery's leaves read, if there are any
-    if any(t.virtual is not None for t in targets):
-        saved_reads = _surgery_reads.SavedReads(location, doc, fmt, direct, read_region, targets)
+    saved_reads = SavedReads(location, doc, fmt, direct, targets)  # what surgery's leaves read
 
     def fail(paths):
         return lambda e: errors.append(corrupt(paths, location, e))
@@ -355,8 +338,7 @@ def _read_targets_with(location, doc, targets, request: ReadRequest, fmt, direct
 
 
 def _shared_read_sharding(sharding: Any, shape: tuple[int, ...]) -> Any:
-    """For a leaf replicated over several processes: the sharding splitting its rows over
-    every device, or None (one process, not replicated, rows not divisible)."""
+    """For a leaf replicated over processes: the sharding splitting its rows, else None."""
     if (
         _distributed.process_count() == 1
         or not isinstance(sharding, jax.sharding.NamedSharding)
@@ -388,7 +370,7 @@ def _read_shards(reader: Reader, store, target: Target, sharding, on_error, fmt,
         box = _bounding_box(list(by_index), shape, target.record.storage.chunk_shape)
     else:  # made by surgery: read as one box unless every region is whole saved chunks
         regions = [tuple(_bounds(k, shape)) for k in by_index]
-        aligned = len(regions) < 2 or _surgery_reads.on_chunks(target.virtual, regions)
+        aligned = len(regions) < 2 or on_chunks(target.virtual, regions)
         box = None if aligned else _bounding_box(list(by_index), shape, shape)
     if box is not None:  # this process's regions tile one box: read it once
         groups = [(box, list(by_index.items()))]
@@ -431,8 +413,7 @@ def _bounds(key: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
 def _bounding_box(
     keys: list[tuple], shape: tuple[int, ...], chunk: tuple[int, ...]
 ) -> list[tuple[int, int]] | None:
-    """The box around several regions when a chunk straddles two of them and they (nearly)
-    fill it: one read, no chunk read twice; None when they fall on chunk boundaries."""
+    """One box around regions that share chunks and nearly fill it, else None."""
     if len(keys) < 2 or not shape:
         return None
     regions = [_bounds(k, shape) for k in keys]
@@ -465,8 +446,7 @@ def entry_of(target: Target, path: str) -> PlanEntry:
 def plan_of(
     where: str, targets: list[Target], paths: list[str], kept: list[str], saved: list[str]
 ) -> RestorePlan:
-    """The plan of reading ``targets`` (like's ``paths``, in order; ``kept``: like's
-    leaves kept as they are; ``saved``: the checkpoint's leaves holding values)."""
+    """The plan of reading ``targets`` onto like's ``paths`` (``kept``: kept as they are)."""
     entries = tuple(entry_of(t, p) for t, p in zip(targets, paths, strict=True))
     read = {path for e in entries for path, _ in e.sources}
     dropped = tuple(p for p in saved if p not in read)
@@ -493,8 +473,7 @@ def read_request(
     share_replicated_reads: bool | None = None,
     changes: _onto_like.Changes | None = None,
 ) -> ReadRequest:
-    """The :class:`ReadRequest` of ``fop.restore``'s options, checked before anything is
-    read. ``changes``: a front's own, already checked (then the four it holds not given)."""
+    """``fop.restore``'s options checked into a request (``changes``: already checked)."""
     share = share_replicated_reads
     check(RESTORE, {"memory_limit_bytes": memory_limit_bytes, "share_replicated_reads": share})
     dry_run = flag("dry_run", dry_run)
@@ -515,7 +494,19 @@ def restore_with(path: Any, like: Any, request: ReadRequest) -> Any:
     location = Location.from_path(path)
     _host.wait_for_pending_save(location)
     with _tree.paused_gc():
-        return _restore(location, like, request)
+        like = _onto_like.concrete(like)  # shardings on an AbstractMesh: onto set_mesh's mesh
+        if not request.own_copy and request.region.spans:  # a collective read
+            agree_on_read(location, like, request)  # the same on every process, before a byte
+        opts = request.changes
+        if location.is_local and not opts.partial and opts.transform is None and not opts.surgery:
+            # every batch is read whole: the disk starts on it while the metadata is parsed
+            _chunk_files.prefetch_batches(location.path, _chunks.THREADS)
+        doc = read_document(location)
+        location.check_no_links(read=_formats.checkpoint_names)  # tensorstore follows links
+        saved = [rec.path for rec in doc.leaves if rec.kind not in _onto_like.NO_DATA]
+        if like is None:
+            return _as_saved(location, doc, request, saved)
+        return _read_onto_like(location, doc, like, request, saved)
 
 
 def _dropped_or_same(opts: _onto_like.Changes, path: str) -> bool:
@@ -529,29 +520,11 @@ def _dropped_or_same(opts: _onto_like.Changes, path: str) -> bool:
     return new is not None
 
 
-def _restore(location: Location, like: Any, request: ReadRequest) -> Any:
-    like = _onto_like.concrete(like)  # shardings on an AbstractMesh: onto set_mesh's mesh
-    if not request.own_copy and request.region.spans:  # a collective read
-        agree_on_read(location, like, request)  # the same on every process, before a byte
-    opts = request.changes
-    if location.is_local and not opts.partial and opts.transform is None and not opts.surgery:
-        # every batch is read whole: the disk starts on it while the metadata is parsed
-        _chunk_files.prefetch_batches(location.path, _chunks.THREADS)
-    doc = read_document(location)
-    location.check_no_links(read=_formats.checkpoint_names)  # tensorstore follows links
-    saved = [rec.path for rec in doc.leaves if rec.kind not in _onto_like.NO_DATA]
-    if like is None:
-        return _as_saved(location, doc, request, saved)
-    return _read_onto_like(location, doc, like, request, saved)
-
-
 def _as_saved(location: Location, doc, request: ReadRequest, saved: list[str]) -> Any:
     """``like=None``: the saved leaves (a transform may drop some) on the host, as saved."""
     opts = request.changes
     if opts.surgery:
-        raise TransformError(
-            f"surgery= makes leaves like places (restore of {location}): pass like"
-        )
+        raise TransformError(f"surgery= needs like, found like=None (restore of {location})")
     leaves = list(enumerate(doc.leaves))
     if opts.transform is not None:
         leaves = [(i, rec) for i, rec in leaves if _dropped_or_same(opts, rec.path)]
@@ -614,3 +587,107 @@ def _maker(made: dict[str, Any], cast: str):
         return target
 
     return make
+
+
+# -- the leaves layout surgery made --------------------------------------------------------
+
+
+def _box(region: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A region (slices, None: all) as ``((lo, hi), ...)``."""
+    if region is None:
+        return tuple((0, n) for n in shape)
+    out = []
+    for s, n in zip(region, shape, strict=True):
+        lo, hi, _ = s.indices(n) if isinstance(s, slice) else (s, s + 1, 1)
+        out.append((lo, hi))
+    return tuple(out)
+
+
+class VirtualRead:
+    """The read of ``region`` of a made leaf: pieces read now, assembled on :meth:`result`."""
+
+    def __init__(self, made: Any, region: Any, saved: SavedReads):
+        pieces, self.assemble = made.node.pieces(_box(region, made.node.shape))
+        self.reads = [saved.read(p) for p in pieces]
+
+    def result(self) -> np.ndarray:
+        return self.assemble([r.result() for r in self.reads])
+
+
+class _Cut:
+    """A small leaf out of one read of its batch from ``start`` (``span()``), cut to ``box``."""
+
+    def __init__(self, span, start: int, record, box):
+        self.span, self.start, self.record, self.box = span, start, record, box
+
+    def result(self) -> np.ndarray:
+        off, size = self.record.storage.offset - self.start, self.record.storage.size
+        data = self.span()[off : off + size]
+        if self.record.storage.packed:  # a sub-byte leaf's packed bytes
+            data = _subbyte.unpack_flat(data, self.record)
+        data = data.reshape(self.record.shape)
+        return data[tuple(slice(lo, hi) for lo, hi in self.box)]
+
+
+class SavedReads:
+    """Region reads of saved leaves; a store opened once, a batch's span read once."""
+
+    def __init__(self, location, doc, fmt, direct, targets: list[Target]):
+        self.location, self.doc, self.fmt, self.direct = location, doc, fmt, direct
+        self.stores: dict[Any, Any] = {}
+        self.spans: dict[str, tuple[int, int]] = {}
+        for t in sources(targets):
+            storage = t.record.storage
+            if isinstance(storage, ArrayStorage):
+                continue
+            lo, hi = self.spans.get(storage.batch, (storage.offset, storage.offset))
+            end = storage.offset + storage.size
+            self.spans[storage.batch] = (min(lo, storage.offset), max(hi, end))
+
+    def read(self, piece: Piece):
+        record = piece.record
+        target = make_target(piece.index, record, None, cast="safe")
+        if isinstance(record.storage, ArrayStorage):
+            key = ("leaf", piece.index)
+            if key not in self.stores:
+                self.stores[key] = self.fmt.array_store(self.location, target, [record.path])
+            region = tuple(slice(lo, hi) for lo, hi in piece.box)
+            return read_region(self.fmt, self.stores[key], target, self.direct, region)
+        batch = self.doc.batches[record.storage.batch]
+        key = ("batch", batch.name)
+        if key not in self.stores:
+            self.stores[key] = self.fmt.batch_store(
+                self.location, batch, self.direct, [record.path]
+            )
+        lo, hi = self.spans[batch.name]
+        if ("span", batch.name) not in self.stores:  # waited for once, for every leaf cut
+            read = read_slice(self.stores[key], self.direct, batch, lo, hi - lo)
+            self.stores["span", batch.name] = functools.cache(read.result)
+        return _Cut(self.stores["span", batch.name], lo, record, piece.box)
+
+
+def on_chunks(made: Any, boxes: list[tuple[tuple[int, int], ...]]) -> bool:
+    """Whether every saved region ``boxes`` need falls on whole chunks (each box read alone)."""
+    for box in boxes:
+        pieces, _ = made.node.pieces(box)
+        for p in pieces:
+            storage = p.record.storage
+            if not isinstance(storage, ArrayStorage):
+                continue  # a small leaf: its batch span is read once whatever the boxes
+            for (lo, hi), c, n in zip(p.box, storage.chunk_shape, p.record.shape, strict=True):
+                if lo % c or (hi % c and hi != n):
+                    return False
+    return True
+
+
+def sources(targets: list[Target]) -> list[Target]:
+    """The saved leaves the made leaves among ``targets`` read (for the claims check)."""
+    out: dict[int, Target] = {}
+    for t in targets:
+        if t.virtual is None:
+            continue
+        node = t.virtual.node
+        pieces, _ = node.pieces(tuple((0, n) for n in node.shape))
+        for p in pieces:
+            out.setdefault(p.index, make_target(p.index, p.record, None, cast="safe"))
+    return list(out.values())

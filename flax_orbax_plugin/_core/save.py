@@ -1,12 +1,9 @@
-"""Saving a pytree (``fop.save``, ``save_async``, ``is_committed``): the blocking
-snapshot, then the background write and the commit.
+"""Saving a pytree (``fop.save``): the blocking snapshot, the background write, the commit.
 
-Call order, on every process (all save the same tree structure in the same order):
-:func:`snapshot` (the caller's thread; the caller may then donate the arrays);
-:meth:`Snapshot.write` (a background thread) writes and syncs the data; then
-:func:`commit_collectively` (the same thread, two key-value rounds, no barrier) makes the
-checkpoint (a pytree or a manager step) visible whole or not at all. One
-:func:`save_async` runs at a time in a process; a second one waits for it.
+Call order, on every process (all save the same tree in the same order): :func:`snapshot`
+(the caller's thread; it may then donate the arrays); :meth:`Snapshot.write` (a
+background thread); then :func:`commit_collectively` (the same thread, two key-value
+rounds) makes the checkpoint visible whole or not at all. One save_async runs at a time.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.save``.
 """
@@ -59,8 +56,7 @@ class Staging:
     def begin(
         cls, final: Location, nonce: str, *, claim: bool = True, own: bool = False
     ) -> Staging:
-        """The staging of a commit of ``final`` (the same ``nonce`` on every process),
-        claimed unless ``claim=False`` (the caller claims before its first write)."""
+        """The staging of a commit of ``final`` (one ``nonce`` on every process)."""
         place = final.sibling(f"{final.name}.partial-{nonce}") if final.supports_rename else final
         staging = cls(final, place, nonce, own)
         if claim:
@@ -73,11 +69,19 @@ class Staging:
             _ownership.claim(self.location, self.nonce, fresh=fresh)
 
     def publish(self, marker: str, data: bytes, *, replace: bool) -> None:
-        """Primary only: writes the marker last and makes the checkpoint visible; a
-        ``final`` not proven ours is never replaced (ForeignEntryError)."""
+        """Primary only: writes the marker last and makes the checkpoint visible."""
         self.location.write_bytes(marker, data)  # durable (file and directory fsynced)
         _env.kill_point("after_marker")
-        self._unclaim()  # the marker now proves it ours (a crash: a committed .partial-)
+        try:  # the marker now proves it ours (a crash: a committed .partial-)
+            _ownership.unclaim(self.location)
+        except Exception as e:  # noqa: BLE001  (a store refusing DELETE: committed all the same)
+            logger.warning(
+                "checkpoint: %s is committed, but its pending marker could not be removed "
+                "(%s: %s); it is left inside, harmless",
+                self.location,
+                type(e).__name__,
+                e,
+            )
         if not self.renames:
             return
         # an empty directory at the final name holds nothing to lose (rmdir: if empty)
@@ -98,19 +102,6 @@ class Staging:
             self.location.rename(self.final)
         _ownership.remove(old, action="remove the replaced")
         self._remove_stale_siblings()
-
-    def _unclaim(self) -> None:
-        """A store that refuses the delete (PUT allowed, not DELETE) leaves it: a WARNING."""
-        try:
-            _ownership.unclaim(self.location)
-        except Exception as e:  # noqa: BLE001  (committed all the same)
-            logger.warning(
-                "checkpoint: %s is committed, but its pending marker could not be removed "
-                "(%s: %s); it is left inside, harmless",
-                self.location,
-                type(e).__name__,
-                e,
-            )
 
     def _remove_stale_siblings(self) -> None:
         """After a commit: dead stagings of earlier saves of the same name go."""
@@ -142,13 +133,8 @@ def commit_collectively(
     structure: Callable[[], list[str]] | None = None,
     region: _distributed.Region,
 ) -> Written:
-    """The protocol of the module docstring; returns what this process wrote.
-
-    ``write`` runs on every process, ``publish(files)`` on the primary with every
-    process's files, ``abort()`` removes what was staged; ``agreed``: the options every
-    process must have saved with; ``structure``: the leaves in words (only when the
-    structures differ). Raises this process's error, CoordinationError when the
-    processes disagree, CheckpointError when another failed."""
+    """The protocol of the module docstring; ``publish(files)`` runs on the primary alone.
+    Raises this process's error, CoordinationError (disagreement), CheckpointError (another's)."""
     error: BaseException | None = None
     written = Written()
     try:
@@ -238,8 +224,7 @@ def save(
 
 
 def start_save(path, tree, region: _distributed.Region, given: dict) -> SaveHandle:
-    """``fop.save_async`` in ``region``, every option checked first; interrupted, the
-    save is cancelled (nothing staged is left)."""
+    """``fop.save_async`` in ``region``; interrupted, the save is cancelled."""
     options = check_save(**given)
     force = options.pop("force")
     request = SaveRequest(region=region, **options)
@@ -258,15 +243,13 @@ def _start(
     """The blocking phase; the handle goes to ``started`` once its background phase runs."""
     with _IN_FLIGHT_LOCK:
         _host.wait_for_pending_save()  # interruptible: nothing of this save exists yet
-        # Ctrl-C held over the blocking phase (never raised inside a JAX or tensorstore
-        # callback, which would drop it), and raised at its end.
+        # Ctrl-C held over the blocking phase (a JAX callback would drop it), raised at its end
         with _interrupts.deferred_sigint() as ctrl_c:
             start = time.perf_counter()
             location = Location.from_path(path)
             cancelled = Cancellation()  # the writes stop once it is set
             snap = snapshot(tree, request.replace(cancelled=cancelled))
-            # a foreign or (without force) committed target refused; cleared in the
-            # background phase on object stores
+            # a foreign or committed (without force) target refused; object stores: cleared later
             region = request.region
             held = _ownership.prepare_slot(
                 location, what="a checkpoint", replace=force, clear=False, region=region
@@ -301,8 +284,7 @@ def _start(
 
 @dataclasses.dataclass(frozen=True)
 class _Background:
-    """The background phase of one save (clear on object stores, write, commit), on the
-    handle's thread, in the save's ``region``."""
+    """The background phase of one save (clear, write, commit), on the handle's thread."""
 
     snap: Snapshot  # its request's ``cancelled``: the handle's
     staging: Staging
@@ -352,8 +334,7 @@ class _Background:
         return SaveResult(str(location), self.blocking, total, written.bytes_written)
 
     def abort(self) -> None:
-        """The failed save's staging goes (in place, on the primary: under its own claim
-        only, never another writer's)."""
+        """The failed save's staging goes (in place: under its own claim only)."""
         staging = self.staging
         staging.abort()
         if staging.renames or not _distributed.is_primary():

@@ -1,6 +1,5 @@
-"""The other public fronts of a core save: :func:`save_async` (``fop.save`` waited for)
-and :func:`is_committed`. Public operations of one process each; the save runs as
-``_core.save`` describes.
+"""The other public fronts of a core save: :func:`save_async` and :func:`is_committed`;
+the save runs as ``_core.save`` describes.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._core.save``.
 """

@@ -41,8 +41,7 @@ MIN_WINDOW_BYTES = 64 << 10  # under a ceiling: the window is never smaller
 
 __all__ = ["VerifyResult", "verify"]
 
-# progress(total_bytes, what) -> a context manager with advance(nbytes, note)
-Progress = Callable[[int, str], Any]
+Progress = Callable[[int, str], Any]  # (total_bytes, what) -> a context with advance()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +120,7 @@ def verify(
 
 
 def window_bytes(limit: int | None) -> int:
-    """The window of a verify's reads under the ceiling ``limit``: half of it (the window
-    and the one read past it), within [``MIN_WINDOW_BYTES``, ``VERIFY_BUDGET_BYTES``]."""
+    """Half of the ceiling ``limit`` (the window and one read past it), bounded."""
     if limit is None:
         return VERIFY_BUDGET_BYTES
     return max(MIN_WINDOW_BYTES, min(VERIFY_BUDGET_BYTES, limit // 2))
@@ -148,8 +146,7 @@ def verify_step(
     progress: Progress | None = None,
     budget: int = VERIFY_BUDGET_BYTES,
 ) -> list[VerifyResult]:
-    """Every item of one step; a bad manifest or host marker is one failed result. A host's
-    own copy is checked for that host's regions only, each result saying so in its ``note``."""
+    """Every item of one step; a bad manifest or host marker is one failed result."""
     try:
         manifest = _layout.read_manifest(step_loc)
         copy, problem = _steps.of_step(step_loc)
@@ -166,37 +163,31 @@ def verify_step(
 def _verify_item(step_loc, manifest: StepManifest, name, step, progress, copy, budget: int):
     """One item of a step: the files its kind needs, its JSON checksums, a pytree's data."""
     entry = manifest.items[name]
-    item_loc = step_loc.child(entry.dir)
+    item_loc, kind = step_loc.child(entry.dir), entry.kind
     note = None if copy is None else copy.note
-    try:
-        _check_item_files(item_loc, name, entry.kind, manifest, copy)
-    except CheckpointError as e:
-        return VerifyResult(str(item_loc), step, name, False, str(e), note)
-    if entry.kind == "pytree":
-        return _verify_pytree(item_loc, step, name, progress, budget, copy)
-    return VerifyResult(str(item_loc), step, name, True, None, note)
-
-
-def _check_item_files(
-    item_loc: Location, name: str, kind: str, manifest: StepManifest, copy: Any = None
-) -> None:
     elsewhere = set() if copy is None else copy.elsewhere(kind, manifest.process_count)
     prefix = f"{item_loc.name}/"
     listed = [f[len(prefix) :] for f in manifest.files if f.startswith(prefix)]
     required = {"pytree": [METADATA_FILE], "json": [JSON_VALUE_FILE], "step": [JSON_VALUE_FILE]}
     if kind == "data_iterator":
         required[kind] = [iterator_state_file(p) for p in range(manifest.process_count)]
-    for needed in required.get(kind, []):
-        if needed not in listed:
-            raise CheckpointError(
-                f"item {name!r} ({kind}): the step manifest lists no {needed}; expected one "
-                f"for every {kind} item"
-            )
-    for file in listed:
-        if file in elsewhere and not item_loc.exists(file):
-            continue  # another host's file, in that host's own directory
-        if file != METADATA_FILE:  # read with its pytree below
-            _layout.read_item_json(item_loc, file)
+    try:
+        for needed in required.get(kind, []):
+            if needed not in listed:
+                raise CheckpointError(
+                    f"item {name!r} ({kind}): the step manifest lists no {needed}; expected "
+                    f"one for every {kind} item"
+                )
+        for file in listed:
+            if file in elsewhere and not item_loc.exists(file):
+                continue  # another host's file, in that host's own directory
+            if file != METADATA_FILE:  # read with its pytree below
+                _layout.read_item_json(item_loc, file)
+    except CheckpointError as e:
+        return VerifyResult(str(item_loc), step, name, False, str(e), note)
+    if kind == "pytree":
+        return _verify_pytree(item_loc, step, name, progress, budget, copy)
+    return VerifyResult(str(item_loc), step, name, True, None, note)
 
 
 def _verify_pytree(loc: Location, step, item, progress, budget: int, copy=None) -> VerifyResult:
@@ -218,10 +209,7 @@ def check_pytree(
     what: str = "",
     held: _steps.HeldItem | None = None,
 ) -> None:
-    """Checks a committed pytree as restore reads it (metadata, claimed sizes, every
-    ``zarr.json``, every chunk's crc32c), at most ``budget`` bytes at a time; raises the
-    CorruptCheckpointError restore would, OSError for the environment's. ``progress``:
-    as :func:`verify`'s. ``held``: a host's own copy's item, whose regions alone are read."""
+    """Checks a committed pytree as restore reads it, ``budget`` bytes at a time."""
     _host.wait_for_pending_save(location)
     doc = read_document(location)
     location.check_no_links(read=_formats.checkpoint_names)  # tensorstore follows links

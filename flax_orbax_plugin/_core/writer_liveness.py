@@ -1,6 +1,5 @@
-"""The writer a pending marker names: alive, gone, or a place left abandoned; a save's
-own claim, the refusals of a place another writer holds, and an object store's
-conditional claim. The marker itself is ``_core.handle``'s.
+"""The writer a pending marker names (alive, gone, or the place abandoned), and the
+claims and refusals that follow from it. The marker itself is ``_core.handle``'s.
 
 Threading: stateless; any function may be called from any thread.
 """
@@ -29,7 +28,6 @@ def nonce_of(raw: bytes | None) -> str | None:
 
 
 def holds_nonce(loc: Location, nonce: str) -> bool:
-    """True when ``loc``'s pending marker is this save's own (written with ``nonce``)."""
     try:
         return nonce_of(_handle.read(loc)) == nonce
     except CheckpointError:
@@ -37,10 +35,7 @@ def holds_nonce(loc: Location, nonce: str) -> bool:
 
 
 def claim_in_place(loc: Location, nonce: str, *, fresh: bool) -> None:
-    """Object stores: writes the pending marker only where no other writer's is (a
-    conditional request: two saves at once cannot both claim it). A gone writer of this
-    host's marker is taken over; any other is a :class:`DirectoryLockedError`. With
-    ``fresh``, a commit record found once the claim is held takes it back and refuses."""
+    """Object stores: the pending marker written only where no live writer's is."""
     raw, generation = loc.read_versioned(
         PENDING_FILE, max_bytes=_local_files.PENDING_MARKER.max_bytes
     )
@@ -61,9 +56,7 @@ def claim_in_place(loc: Location, nonce: str, *, fresh: bool) -> None:
 
 
 def refuse_if_held(loc: Location, *, replace: bool) -> None:
-    """Before a save writes where a pending marker is: DirectoryLockedError when it names
-    a live writer of this host, or (object stores, unless ``replace``) another host's,
-    whose life cannot be told from here."""
+    """DirectoryLockedError when ``loc``'s marker names a live (or another host's) writer."""
     alive = writer_alive(loc)
     if alive is not None:
         refuse_held(loc, alive)
@@ -84,9 +77,8 @@ def _words(raw: bytes | None) -> str:  # the marker's writer in words
 def refuse_held(loc: Location, who: str) -> None:
     """DirectoryLockedError: ``who`` (a writer's words) holds ``loc`` under its marker."""
     raise DirectoryLockedError(
-        f"cannot write at {loc}: another save or removal ({who}) is writing there "
-        f"(its pending marker {PENDING_FILE}); nothing was written. Wait for it to end, "
-        f"or, if it died, run `flax_orbax_plugin gc` on its directory"
+        f"cannot write at {loc}: another save or removal ({who}) holds it ({PENDING_FILE}); "
+        f"nothing was written. Wait for it to end, or if it died run `flax_orbax_plugin gc`"
     )
 
 
@@ -129,9 +121,7 @@ def writer_alive(loc: Location) -> str | None:
 
 
 def abandoned(loc: Location) -> bool:
-    """Local only: True when ``loc`` (a real directory) holds no pending marker, is empty
-    or holds a commit record, and nothing in it (its ctime too) changed for
-    :data:`QUIET_SECONDS`: left by a writer killed when nothing named it."""
+    """Local only: no marker, empty or committed, and unchanged for :data:`QUIET_SECONDS`."""
     if not loc.is_local:
         return False
     path = loc.path.rstrip("/")

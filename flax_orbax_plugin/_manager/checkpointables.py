@@ -28,7 +28,7 @@ from .._core.formats import SaveRequest, Written
 from .._core.reads import ReadRequest
 from .._errors import CheckpointError, CorruptCheckpointError, StructureError
 from .._format import layout as _layout
-from .._state import global_position as _global
+from .._state import iterators as _iterators
 from .._state.iterators import iterator_state, set_iterator_state
 from .._storage import local_files as _local_files
 from .._storage.location import Location
@@ -127,9 +127,9 @@ def write_json(directory: Location, name: str, data: bytes) -> Written:
 
 def saved_position(data: Any, where: str) -> int | None:
     """The global position recorded in a process's iterator file (None: none)."""
-    if not isinstance(data, dict) or _global.GLOBAL_POSITION_KEY not in data:
+    if not isinstance(data, dict) or _iterators.GLOBAL_POSITION_KEY not in data:
         return None
-    value = data[_global.GLOBAL_POSITION_KEY]
+    value = data[_iterators.GLOBAL_POSITION_KEY]
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise CorruptCheckpointError(
             f"{where}: 'global_position' must be a non-negative int, found {value!r}"
@@ -153,7 +153,7 @@ def position_across_counts(
     )
     advice = (
         f"Restore without the data_iterator item and re-seed the pipeline, or use an "
-        f"iterator whose state can be re-sharded: {_global.describe()}"
+        f"iterator whose state can be re-sharded: {_iterators.describe()}"
     )
     names = [0] if process == 0 or process >= saved else [0, process]
     positions = {i: saved_position(read(i), f"{directory}/process_{i}.json") for i in names}
@@ -168,7 +168,7 @@ def position_across_counts(
             f"{head}; the saved global positions differ ({found}): the processes had not "
             f"drawn the same number of global batches, so no one position continues them all"
         )
-    if like is not None and not _global.can_set(like):
+    if like is not None and not _iterators.can_set(like):
         raise StructureError(
             f"{head}; the step holds a global data position but the iterator given "
             f"(a {type(like).__name__}) has no set_global_position() to continue from it. "
@@ -329,9 +329,9 @@ class DataIteratorCheckpointable:
         state = to_json(raw, "data_iterator")
         name = _layout.iterator_state_file(jax.process_index())
         record = {"state": state}
-        position = _global.global_position(value, raw)  # where it declares one
+        position = _iterators.global_position(value, raw)  # where it declares one
         if position is not None:
-            record[_global.GLOBAL_POSITION_KEY] = position
+            record[_iterators.GLOBAL_POSITION_KEY] = position
         data = encode_json(record, f"{directory}/{name}")
         return _Done(functools.partial(write_json, directory, name, data))
 
@@ -350,7 +350,7 @@ class DataIteratorCheckpointable:
             )
             if like is None:
                 return from_json(read(0)["state"])
-            _global.set_global_position(like, at)
+            _iterators.set_global_position(like, at)
             return like
         state = from_json(self._read(directory, jax.process_index())["state"])
         if like is None:

@@ -23,8 +23,7 @@ from .._base import host as _host
 from .._base.distributed import public
 from .._base.env import check
 from .._core import restore as _restore
-from .._core.read_agreement import agree_on_read
-from .._core.reads import ReadRequest, place
+from .._core.reads import ReadRequest, agree_on_read, place
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -75,8 +74,7 @@ def _reader(item: StepItem) -> Any:
     return reader
 
 
-# Onto devices of several processes the restore is collective (``region=``, drawn by
-# ``_base.distributed``); onto host arrays one may read alone (a region spanning nothing).
+# Onto devices of several processes the restore is collective (``region=``).
 @public(
     "restore",
     spans=lambda path, like=None, **_: _restore.spans_processes(like),
@@ -147,7 +145,8 @@ def restore(
 
 def _read_place(location: Location, like: Any, request: ReadRequest) -> Any:
     """``fop.restore``: what is at ``location`` classified once, then read by its reader."""
-    place = _classified(location)
+    _host.wait_for_pending_save(location)
+    place = _steps.classify(location)
     if place.kind in _steps.PYTREES:
         return update_in_place(like, _restore.restore_with(location, like, request))
     if place.kind == _steps.JSON_ITEM:  # the pytree options are refused, not ignored
@@ -166,15 +165,8 @@ def _read_place(location: Location, like: Any, request: ReadRequest) -> Any:
     return update_in_place(like, _restore_orbax(location, like, request))
 
 
-def _classified(location: Location) -> _steps.Place:
-    """What is at ``location``, once this process's save to it has finished."""
-    _host.wait_for_pending_save(location)
-    return _steps.classify(location)
-
-
 def _restore_orbax(location: Location, like: Any, request: ReadRequest) -> Any:
-    """The Orbax checkpoint at ``location``, read through tensorstore; collective when
-    ``like`` spans processes (all read the primary's latest step of a run)."""
+    """The Orbax checkpoint at ``location``; collective when ``like`` spans processes."""
     region, opts = request.region, request.changes
     if region.spans:
         agree_on_read(location, concrete(like), request)
@@ -201,7 +193,8 @@ def metadata(path: Any) -> _layout.CheckpointMetadata:
     """Leaf paths, shapes, dtypes and shardings of a checkpoint; reads no array data.
     On an Orbax checkpoint the error says what it holds and how to read it."""
     location = Location.from_path(path)
-    place = _classified(location)
+    _host.wait_for_pending_save(location)
+    place = _steps.classify(location)
     if place.kind in _steps.PYTREES:
         return _restore.metadata(location)
     if place.kind == _steps.JSON_ITEM:  # from the step manifest alone
@@ -225,10 +218,9 @@ def metadata(path: Any) -> _layout.CheckpointMetadata:
     except (CheckpointError, OSError) as e:
         what = f"unreadable: {e}"
     raise CheckpointNotFoundError(
-        f"{location} is an Orbax checkpoint ({what}), not one of this library's: "
-        f"fop.metadata describes this library's checkpoints. Read it as it is with "
-        f"fop.restore(path, like) or fop.restore_params, or convert it with "
-        f"fop.import_orbax(path, out_dir) and inspect the converted steps"
+        f"{location} is an Orbax checkpoint ({what}), not one of this library's (which "
+        f"fop.metadata describes): read it with fop.restore(path, like) or "
+        f"fop.restore_params, or convert it with fop.import_orbax(path, out_dir)"
     )
 
 
@@ -236,8 +228,7 @@ logger = logging.getLogger("flax_orbax_plugin")
 
 
 def _params_like(like: Any) -> Any:
-    """The params of ``like``: a TrainState's, an NNX model's (also in a tuple or dict);
-    ``like`` itself when it is a params tree (a flax.struct dataclass of arrays too)."""
+    """The params of ``like`` (a TrainState's, an NNX model's), else ``like`` itself."""
     if like is None or (isinstance(like, Mapping) and not holds_nnx_objects(like)):
         return like
     try:
@@ -252,8 +243,7 @@ def _params_like(like: Any) -> Any:
     raise OptionTypeError(
         f"restore_params(like): expected the model, its params or a training state holding "
         f"them, found {type(like).__name__}, which holds no nnx.Param variables (its items: "
-        f"{sorted(items)}); pass the model (nnx.eval_shape(...) of it is enough) or "
-        f"nnx.state(model, nnx.Param)"
+        f"{sorted(items)}); pass the model (or its nnx.eval_shape) or nnx.state(model, nnx.Param)"
     )
 
 
@@ -337,28 +327,29 @@ class _Serving(NamedTuple):
 
 
 def _serve(directory: Any, step: int | None, job: _Serving) -> Any:
-    """``restore_params``: what is at ``directory``, its committed steps, the step (agreed
-    when collective), then its params; an Orbax directory is read directly."""
+    """``restore_params``: what is at ``directory``, the step (agreed), then its params."""
     loc = Location.from_path(directory)
     place = _steps.classify(loc, steps_first=True)
     steps = _steps.committed_steps(loc, place.listing)  # (an unreadable step: warned)
     if step is None and _spans(directory, job.like, sharding=job.sharding):
-        step, steps = _agreed_latest(loc, steps, job.request.region)
+        # the primary's latest step on every process (not two steps in one model)
+        op = job.request.region.next_operation_id("serve-step")
+        agreed = job.request.region.broadcast_str(op, str(steps[-1]) if steps else "")
+        if agreed:
+            step = int(agreed)
+            steps = steps if step in steps else _steps.committed_steps(loc)
     if not steps:
         if place.kind == _steps.ORBAX:
             return _orbax_params(directory, step, job)
         raise _steps.no_steps(place)  # what is there instead (a step, a run below, ...)
 
-    def serve(chosen: int) -> Any:
-        return _serve_step(loc, steps, chosen, job)
-
     if step is not None:
-        return serve(_steps.choose_step(loc, steps, step))
-    return _steps.newest_readable(loc, steps, serve)  # past a step the environment shuts
+        return _serve_step(loc, steps, _steps.choose_step(loc, steps, step), job)
+    # past a step the environment shuts
+    return _steps.newest_readable(loc, steps, lambda chosen: _serve_step(loc, steps, chosen, job))
 
 
 def _serve_step(loc: Location, steps: list[int], step: int, job: _Serving) -> Any:
-    """restore_params of committed ``step`` of ``loc``."""
     logger.info("restore_params: step %d of %s", step, loc)  # which step was served
     step_loc = _steps.step_location(loc, step)
     items = _layout.read_manifest(step_loc).items
@@ -411,9 +402,8 @@ def _pytree_item(items: Mapping, item: str, where: str, step_loc: Location) -> A
     """The manifest entry of pytree item ``item``, else an error naming the items there."""
     if item not in items:  # which items there are, and how to read one of them
         raise CheckpointNotFoundError(
-            f"{where} holds no {item} item (its items: {sorted(items)}); "
-            f"restore_params(..., item=<one of them>) or fop.restore({str(step_loc)!r} + "
-            f"'/<item>') reads one"
+            f"{where} holds no {item} item (its items: {sorted(items)}); restore_params(..., "
+            f"item=<one of them>) or fop.restore({str(step_loc)!r} + '/<item>') reads one"
         )
     if items[item].kind != "pytree":
         raise CheckpointError(
@@ -423,26 +413,12 @@ def _pytree_item(items: Mapping, item: str, where: str, step_loc: Location) -> A
     return items[item]
 
 
-def _agreed_latest(
-    loc: Location, steps: list[int], region: _distributed.Region
-) -> tuple[int | None, list[int]]:
-    """Collective (in ``region``): the primary's latest step on every process (else each
-    might read its own latest: two steps in one model), and this process's listing."""
-    op = region.next_operation_id("serve-step")
-    agreed = region.broadcast_str(op, str(steps[-1]) if steps else "")
-    if not agreed:
-        return None, steps
-    step = int(agreed)
-    return step, steps if step in steps else _steps.committed_steps(loc)
-
-
 def _orbax_params(directory: Any, step: int | None, job: _Serving) -> Any:
     """The params of the Orbax checkpoint at ``directory`` (none of ours is there)."""
     if job.item != "params":  # the params choice reads Orbax's own layouts (orbax_reader)
         raise CheckpointError(
             f"{directory} is an Orbax checkpoint: item={job.item!r} chooses an item of this "
-            f"library's steps; read that Orbax item with fop.restore('{directory}/<step>/"
-            f"{job.item}'), or convert the run first (fop.import_orbax)"
+            f"library's steps; read it with fop.restore('{directory}/<step>/{job.item}')"
         )
     changes, dry_run = job.request.changes, job.request.dry_run
     if changes.keep_missing or changes.transform is not None or changes.surgery or dry_run:

@@ -1,6 +1,7 @@
-"""Data position for input pipelines without grain: :class:`StepIndexedIterator`.
+"""Data position: :class:`StepIndexedIterator` (pipelines without grain), an iterator's
+position read and set back, and the global position, the same on any process count.
 
-Call order: one thread (the training loop's) calls every method.
+Call order: one thread (the training loop's) calls every method, and reads and sets the position.
 
 Design notes: ``docs/internals.md``, section ``flax_orbax_plugin._state.iterators``.
 """
@@ -13,7 +14,17 @@ from typing import Any
 from .._base.env import Option
 from .._errors import OptionTypeError
 
-__all__ = ["StepIndexedIterator", "check_iterator", "iterator_state", "set_iterator_state"]
+__all__ = [
+    "GLOBAL_POSITION_KEY",
+    "StepIndexedIterator",
+    "can_set",
+    "check_iterator",
+    "describe",
+    "global_position",
+    "iterator_state",
+    "set_global_position",
+    "set_iterator_state",
+]
 
 
 def _count(value: Any, what: str) -> int:
@@ -156,7 +167,7 @@ class StepIndexedIterator:
     def global_position(self) -> int:
         """The global index of the next batch: the same on every process, whatever their
         number (``make_batch(index)`` makes this process's share of batch ``index``).
-        A step saved on N processes therefore resumes on M (``_state.global_position``)."""
+        A step saved on N processes therefore resumes on M (``_state.iterators``)."""
         return self._index
 
     def set_global_position(self, position: int) -> None:
@@ -190,8 +201,7 @@ _PAIRS = (("get_state", "set_state"), ("state_dict", "load_state_dict"))  # get,
 
 
 def check_iterator(it: Any) -> Any:
-    """``it`` when it has a pair that reads its position and sets it back; else an
-    OptionTypeError saying what it lacks (where given, not at the restart)."""
+    """``it`` when it can save and set back its position; else OptionTypeError."""
     _pair(it)
     return it
 
@@ -208,9 +218,8 @@ def _pair(it: Any) -> tuple[str, str]:
     if hasattr(it, "__iter__") and not hasattr(it, "__next__"):  # a dataset, a loader
         raise OptionTypeError(
             f"data_iterator: a {type(it).__name__} is an iterable, not the iterator that "
-            f"holds the position: pass the iterator the loop draws batches from (it = "
-            f"iter(dataset); grain's dataset and DataLoader iterators have get_state() "
-            f"and set_state()), and draw from that same it"
+            f"holds the position: pass it = iter(dataset) (grain's iterators have get_state() "
+            f"and set_state()), and draw the batches from that same it"
         )
     raise OptionTypeError(
         f"data_iterator: a {type(it).__name__} has neither get_state()/set_state() "
@@ -231,12 +240,59 @@ def set_iterator_state(it: Any, state: Any) -> None:
             except Exception as e:  # the user's code: what it was given, and where from
                 keys = sorted(state)[:8] if isinstance(state, Mapping) else type(state).__name__
                 e.add_note(
-                    f"raised by data_iterator.{put}() of a {type(it).__name__}, given the data "
-                    f"position saved in the step's data_iterator item ({keys}): was it saved "
-                    f"by another kind of iterator?"
+                    f"raised by data_iterator.{put}() of a {type(it).__name__}, given the "
+                    f"position saved in its item ({keys}): saved by another kind of iterator?"
                 )
                 raise
     raise TypeError(
         f"data_iterator: a {type(it).__name__} has neither set_state() nor "
         f"load_state_dict(). {_ITERATOR_ADVICE}"
+    )
+
+
+# -- the global position ------------------------------------------------------------------
+
+GLOBAL_POSITION_KEY = "global_position"  # the field of a process's iterator file
+
+_GRAIN_ELASTIC = ("ElasticIterator", "_ElasticMapDatasetIterator")  # grain's elastic classes
+_GRAIN_ELASTIC_KEY = "global_next_index"  # their state's one field
+
+
+def _grain_elastic(it: Any) -> bool:
+    kind = type(it)
+    return kind.__module__.startswith("grain.") and kind.__name__ in _GRAIN_ELASTIC
+
+
+def global_position(it: Any, state: Any) -> int | None:
+    """The global position of ``it`` (its ``state`` just read), or None where it has none."""
+    if callable(getattr(it, "global_position", None)) and callable(
+        getattr(it, "set_global_position", None)
+    ):
+        return _count(it.global_position(), f"{type(it).__name__}.global_position()")
+    if _grain_elastic(it) and isinstance(state, dict) and _GRAIN_ELASTIC_KEY in state:
+        return _count(state[_GRAIN_ELASTIC_KEY], f"grain {type(it).__name__} state")
+    return None
+
+
+def can_set(it: Any) -> bool:
+    """Whether ``it`` can continue from a global position."""
+    return callable(getattr(it, "set_global_position", None)) or _grain_elastic(it)
+
+
+def set_global_position(it: Any, position: int) -> None:
+    """Has ``it`` continue from global position ``position``."""
+    if callable(getattr(it, "set_global_position", None)):
+        it.set_global_position(position)
+    elif _grain_elastic(it):
+        it.set_state({_GRAIN_ELASTIC_KEY: position})
+    else:
+        raise TypeError(f"a {type(it).__name__} has no global position to set; {describe()}")
+
+
+def describe() -> str:
+    """What an iterator needs for its position to move across a change of process count."""
+    return (
+        "an iterator whose position is a global index (fop.StepIndexedIterator, grain's "
+        "ElasticIterator, or one with global_position() and set_global_position()) "
+        "resumes on any number of processes"
     )

@@ -74,9 +74,7 @@ def items_to_restore(state: Any, *, reset: Iterable[str]) -> list[str]:
 def item_mismatch(
     error: StructureError, *, name: str, step: int, location: Any, others: Any = None
 ) -> StructureError:
-    """The core's StructureError for item ``name`` (a NothingMatchedError stays one), with
-    how to start it fresh together with every other item that does not fit either
-    (``others``: ``{item: (Location, kind, like's value)}``, compared by metadata)."""
+    """The core's StructureError for item ``name``, with how to start it (and ``others``) fresh."""
     detail = str(error).removesuffix("; pass partial=True to restore a subtree")
     detail = detail.removesuffix("\n" + HINT)
     names = [name, *misfits(others or {}, but=name)]
@@ -98,19 +96,17 @@ def item_mismatch(
         why = why.replace("; a new optimizer", ", and the optimizer state that mirrors its params")
     return StructureError(
         f"item {name!r} of step {step} in {location} does not fit the given state: "
-        f"{detail}{also}\n"
-        f"If {'they' if len(names) > 1 else 'it'} changed on purpose ({why}), keep the "
-        f"given state's {shown} and restore the rest: "
-        f"CheckpointCallback.on_train_start(state, reset={reset}), "
-        f"or CheckpointManager.restore(like=state, items=[...{but}]). "
-        f"If the model changed (layers added, dropped or renamed), pass partial=True, "
-        f"missing='keep' or transform= to on_train_start or CheckpointManager.restore"
+        f"{detail}{also}\nIf {'they' if len(names) > 1 else 'it'} changed on purpose "
+        f"({why}), keep the given state's {shown} and restore the rest: "
+        f"CheckpointCallback.on_train_start(state, reset={reset}), or "
+        f"CheckpointManager.restore(like=state, items=[...{but}]). If layers were added, "
+        f"dropped or renamed, pass partial=True, missing='keep' or transform= to "
+        f"on_train_start or CheckpointManager.restore"
     )
 
 
 def misfits(others: Any, *, but: str) -> list[str]:
-    """The pytree items of ``others`` but ``but`` whose saved paths or shapes differ from
-    the template's (metadata only); one that cannot be compared is left out."""
+    """The pytree items of ``others`` but ``but`` whose saved paths or shapes differ."""
     out = []
     for name, (loc, kind, like) in others.items():
         if name == but or kind != "pytree" or like is None:
@@ -126,21 +122,18 @@ def misfits(others: Any, *, but: str) -> list[str]:
     return out
 
 
-# Items a restore into ``like`` may leave out without a word (data_iterator: warn_replay)
-UNREAD_OK = frozenset({"extras", "data_iterator"})
+UNREAD_OK = frozenset({"extras", "data_iterator"})  # left out of a restore without a word
 
 
 def warn_unread(step: int, location: Any, saved: Iterable[str], read: Iterable[str]) -> None:
-    """Warns when a restore into ``like`` leaves out items of ``saved`` (a ``batch_stats``
-    the state lacks): the run would go on without them, silently."""
+    """Warns when a restore into ``like`` leaves out saved items (the run would lose them)."""
     unread = sorted(set(saved) - set(read) - UNREAD_OK)
     if unread:
         warnings.warn(
             f"step {step} of {location} holds item(s) {unread} that like does not have: "
-            f"they are not restored, and the run goes on without them. Give like (the "
-            f"state) those items; or, to leave them out on purpose, pass partial=True "
-            f"(CheckpointCallback.on_train_start or CheckpointManager.restore), or name "
-            f"the items to restore (CheckpointManager.restore(like=..., items=[...]))",
+            f"they are not restored, and the run goes on without them. Give like those "
+            f"items; or, to leave them out on purpose, pass partial=True or items=[...] "
+            f"(CheckpointCallback.on_train_start or CheckpointManager.restore)",
             UserWarning,
             stacklevel=outside_stacklevel(),
         )

@@ -35,8 +35,7 @@ _ELEMENT_KINDS = (
 
 
 def _nnx():
-    """``flax.nnx`` if this process imported it, else None (no NNX object can exist
-    then): a tree of plain arrays never imports flax (seconds on a cold start)."""
+    """``flax.nnx`` if imported, else None (no NNX object can exist; flax is slow to import)."""
     return sys.modules.get("flax.nnx")
 
 
@@ -82,11 +81,9 @@ def _split_module_parts(parts: Any) -> dict[str, Any]:
 
 def _split_optimizer(x: Any) -> dict[str, Any]:
     nnx = _nnx()
-    # Static parts (tx, wrt) are attributes, not state: never written.
-    items = dict(nnx.to_pure_dict(nnx.state(x)))
+    items = dict(nnx.to_pure_dict(nnx.state(x)))  # tx, wrt: attributes, never written
     items.pop("model", None)  # a ModelAndOptimizer's model: split as a module
-    # An optimizer without arrays (optax.sgd) still has an opt_state: an empty one.
-    items.setdefault("opt_state", {})
+    items.setdefault("opt_state", {})  # an optimizer without arrays (optax.sgd): an empty one
     return items
 
 
@@ -182,8 +179,7 @@ def _split_parts(state: Mapping[str, Any] | list | tuple) -> dict[str, Any]:
 
 
 def split_state(state: Any) -> dict[str, Any]:
-    """``{item name: value}`` of a training state; TypeError for an unsupported kind (naming
-    a tuple element's position) or two parts providing the same item."""
+    """``{item name: value}`` of a training state; TypeError for what cannot be split."""
     if state is None:
         return {}
     kind = _nnx_kind(state)
@@ -196,10 +192,8 @@ def split_state(state: Any) -> dict[str, Any]:
     if isinstance(state, list | tuple) and state:
         return _split_parts(state)
     raise TypeError(
-        f"cannot split a {type(state).__name__} into checkpointables: expected a Flax "
-        "TrainState (or other flax.struct dataclass), an nnx.Module, nnx.Optimizer, "
-        "nnx.ModelAndOptimizer, nnx.Rngs, nnx.State, a tuple of those, or a dict "
-        "{item name: value}"
+        f"cannot split a {type(state).__name__} into checkpointables: expected {_ELEMENT_KINDS}"
+        " (or another flax.struct dataclass), a tuple of those, or a dict {item name: value}"
     )
 
 
@@ -208,8 +202,7 @@ def _subset(restored: Mapping[str, Any], names: Any) -> dict[str, Any]:
 
 
 def merge_state(like: Any, restored: Mapping[str, Any]) -> Any:
-    """``restored`` items put back into a state shaped like ``like`` (items it lacks keep
-    ``like``'s value); with ``like=None`` the dict of items."""
+    """``restored`` items put back into a state like ``like`` (None: the dict of items)."""
     if like is None:
         return dict(restored)
     kind = _nnx_kind(like)
@@ -239,8 +232,7 @@ def merge_state(like: Any, restored: Mapping[str, Any]) -> Any:
 
 
 def _check_none_in_like(like: Mapping[str, Any], restored: Mapping[str, Any]) -> None:
-    """Refuses a field ``None`` in ``like`` (``dynamic_scale=None``) where the step holds
-    values: merged, it would silently hold a dict of numpy arrays."""
+    """Refuses a field None in ``like`` where the step holds values (silently a dict)."""
     for name, value in restored.items():
         if name not in like or like[name] is not None:
             continue
@@ -250,10 +242,9 @@ def _check_none_in_like(like: Mapping[str, Any], restored: Mapping[str, Any]) ->
             shown = ", ".join(paths[:3]) + (" ..." if len(paths) > 3 else "")
             raise StructureError(
                 f"item {name!r}: the given state's field {name!r} is None, but the step "
-                f"holds {len(paths)} value(s) there ({shown}); give the state a {name} to "
-                f"restore them into, or keep it None and leave the item out: "
-                f"CheckpointCallback.on_train_start(state, reset=({name!r},)) or "
-                f"CheckpointManager.restore(like=state, items=[...])"
+                f"holds {len(paths)} value(s) there ({shown}); give the state a {name}, or "
+                f"leave the item out: CheckpointCallback.on_train_start(state, reset="
+                f"({name!r},)) or CheckpointManager.restore(like=state, items=[...])"
             )
 
 
@@ -268,8 +259,7 @@ def holds_nnx_objects(state: Mapping[str, Any]) -> bool:
 
 
 def update_in_place(like: Any, restored: Any) -> Any:
-    """``restored`` written into ``like``'s NNX objects (Module, Optimizer, Rngs: restored
-    in place), also inside a tuple, list or dict; else ``restored`` (a State is a value)."""
+    """``restored`` written into ``like``'s NNX objects (also nested), else ``restored``."""
     if _nnx_kind(like) in _NNX_GRAPH_KINDS:
         if type(restored) is not type(like):  # a RestorePlan (dry_run)
             return restored
@@ -289,8 +279,7 @@ def update_in_place(like: Any, restored: Any) -> Any:
 
 
 def nnx_state_as_dict(like: Any) -> tuple[Any, Any]:
-    """``(pure dict, back)`` for an ``nnx.State`` (read as its pure dict, without NNX's
-    '/value'; ``back`` makes a new State of ``like``'s structure); else ``(like, None)``."""
+    """``(pure dict, back)`` for an ``nnx.State`` (``back``: a new State), else ``(like, None)``."""
     if _nnx_kind(like) != "state":
         return like, None
     nnx = _nnx()
