@@ -217,7 +217,7 @@ def save(
 ):
     """Saves ``tree`` to ``path``; durable and committed on return.
 
-    See :func:`save_async` for the arguments.
+    See ``fop.save_async`` (``_core.save_async``) for the arguments.
     """
     given = {k: v for k, v in locals().items() if k not in ("path", "tree", "region")}
     return start_save(path, tree, region, given).wait()
