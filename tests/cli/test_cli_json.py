@@ -1,5 +1,5 @@
 """``--json`` on list, inspect, verify and gc: parsed, validated against the documented
-schema (docs/cli.md holds exactly ``json_output.SCHEMAS``), and checked against what the
+schema (docs/cli.md holds exactly ``output.SCHEMAS``), and checked against what the
 library reads; ``gc --dry-run`` removes nothing and names what ``gc`` then removes;
 every printed time is ISO 8601 with its zone."""
 
