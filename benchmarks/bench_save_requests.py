@@ -28,6 +28,14 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [os.path.join(ROOT, "tests", "support"), ROOT]
 
 
+def _meet() -> None:
+    """Every process meets here: a barrier outside any operation (a region spanning none)."""
+    from flax_orbax_plugin._base import distributed as _distributed
+
+    outside = _distributed.Region("bench")
+    outside.barrier(outside.next_operation_id("bench"))
+
+
 def saves(ctx, url, kept, measured=5, counter=None):
     """Saves until ``kept`` steps are kept, then measures ``measured`` more saves.
     Runs in every process (``ctx`` None: one process, no jax.distributed)."""
@@ -35,7 +43,6 @@ def saves(ctx, url, kept, measured=5, counter=None):
     import numpy as np
 
     import flax_orbax_plugin as fop
-    from flax_orbax_plugin._base import distributed as _distributed
 
     state = {"params": {"w": np.arange(512, dtype=np.float32), "b": np.ones(512, np.float32)}}
     mngr = fop.CheckpointManager(url, keep=None)
@@ -47,18 +54,14 @@ def saves(ctx, url, kept, measured=5, counter=None):
     mngr.wait()
     for _ in range(measured):
         step += 1
-        _distributed.Region("bench").barrier(
-            _distributed.Region("bench").next_operation_id("bench")
-        )
+        _meet()
         if counter is not None:
             counter.take()
         t = time.perf_counter()
         mngr.save(step, state)
         blocking = time.perf_counter() - t
         mngr.wait()
-        _distributed.Region("bench").barrier(
-            _distributed.Region("bench").next_operation_id("bench")
-        )
+        _meet()
         out.append(
             {"blocking_s": blocking, "requests": None if counter is None else counter.take()}
         )
@@ -159,16 +162,13 @@ def saves_multi(ctx, url, kept, measured=5):
     import numpy as np
 
     import flax_orbax_plugin as fop
-    from flax_orbax_plugin._base import distributed as _distributed
 
     def mark(i: int, edge: str) -> None:
         if ctx.process_id == 0:
             open(os.path.join(ctx.workdir, f"mark_{i}_{edge}"), "w").close()
             while not os.path.exists(os.path.join(ctx.workdir, f"ack_{i}_{edge}")):
                 time.sleep(0.002)
-        _distributed.Region("bench").barrier(
-            _distributed.Region("bench").next_operation_id("bench")
-        )
+        _meet()
 
     state = {"params": {"w": np.arange(512, dtype=np.float32), "b": np.ones(512, np.float32)}}
     mngr = fop.CheckpointManager(url, keep=None)
