@@ -158,8 +158,9 @@ class PeerWatch:
         region: Any = None,
     ):
         self._client, self._me, self._what, self._late = client, me, what, late
-        self._region, self._stall_s = region, stall_s
+        self._stall_s = stall_s
         unset = region is None or region.stall_s is None
+        self._region = region if region is not None and region.spans else None  # None: no path
         self._stall_name = "FOP_COORDINATION_TIMEOUT_S" if unset else "stall_timeout"
         self._silent_s, self._report_s = PEER_SILENT_S, LATE_REPORT_S
         self._start = time.monotonic()
@@ -251,7 +252,7 @@ class PeerWatch:
         """A process whose operation of this wait's number is of another kind took
         another path and never sets the value: ``elsewhere(process, its kind, doing)``
         raises at once."""
-        if self._region is None or not self._region.spans:
+        if self._region is None:
             return
         for line in seen.doing:
             for m in _OPERATION.finditer(line):
@@ -292,7 +293,7 @@ class PeerWatch:
                 self._seen[process] = _Seen(beat, now, doing, moved, moved_at)
 
     def _prefix(self) -> str:
-        where = f" in {self._region.kind}" if self._region and self._region.spans else ""
+        where = "" if self._region is None else f" in {self._region.kind}"
         return f"process {self._me}{where}, waiting for {self._what}: "
 
     @staticmethod
